@@ -1,0 +1,50 @@
+"""Development sessions: `nox -s demo`, `nox -s tests`, `nox -s lint`, `nox -s bench`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+PYTHON = "3.11"
+# torch 2.13.0's CPU build lies on this kind of machine's disk; any other version (or an
+# unpinned torch) downloads a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+TRANSFORMERS = "transformers==4.57.6"
+
+
+def _install(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[cpu]", *extra)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite (CPU, onnxruntime-training-cpu)."""
+    _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff and mypy over the package."""
+    _install(session, "ruff", "mypy")
+    session.run("ruff", "check", "ort_autopatch", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "ort_autopatch")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Train a small model eagerly and through ONNX Runtime, side by side."""
+    _install(session)
+    session.run("python", "examples/demo_engine.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks; results land in benchmarks/results/*.json."""
+    _install(session, "psutil", TRANSFORMERS)
+    session.run("python", "benchmarks/bench_engine.py", *session.posargs)

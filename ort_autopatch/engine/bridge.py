@@ -1,0 +1,192 @@
+"""Moving tensors in and out of ONNX Runtime (zero-copy DLPack) and tying its backward into
+PyTorch's autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from ort_autopatch.engine import runtime
+from ort_autopatch.engine.errors import ExecutionError
+from ort_autopatch.engine.session import InferenceProgram, TrainingProgram
+
+
+@dataclass
+class BatchNormUpdate:
+    """Where one BatchNorm's batch statistics land among the forward outputs."""
+
+    module: torch.nn.modules.batchnorm._BatchNorm
+    mean_index: int
+    var_index: int
+    shape_index: int
+
+    def apply(self, outputs: Sequence[torch.Tensor]) -> None:
+        """PyTorch's running-stat rule, momentum=None included, with the unbiased variance."""
+        bn = self.module
+        mean, var = outputs[self.mean_index], outputs[self.var_index]
+        shape = outputs[self.shape_index].tolist()
+        count = 1
+        for k, size in enumerate(shape):
+            if k != 1:
+                count *= int(size)
+        tracked = bn.num_batches_tracked
+        if tracked is not None:
+            tracked.add_(1)
+        if bn.momentum is None:
+            factor = 1.0 / float(tracked) if tracked is not None else 0.0
+        else:
+            factor = bn.momentum
+        unbiased = var * (count / (count - 1)) if count > 1 else var
+        if bn.running_mean is not None and bn.running_var is not None:
+            bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
+            bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+
+
+@dataclass
+class Step:
+    """Everything one cached graph needs at call time besides the tensors."""
+
+    module_class: str
+    num_user_outputs: int
+    batch_norms: list[BatchNormUpdate]
+    seeds_dropout: bool
+
+
+def _push(tensors: Sequence[torch.Tensor]) -> Any:
+    _, capi = runtime.load()
+    vector = capi.OrtValueVector()
+    vector.reserve(len(tensors))
+    for tensor in tensors:
+        t = tensor.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        vector.push_back(to_dlpack(t), t.dtype is torch.bool)
+    return vector
+
+
+def _seed_dropout() -> None:
+    """Seed ORT's generator from torch's, so torch.manual_seed makes dropout reproducible."""
+    _, capi = runtime.load()
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    capi.set_seed(seed)
+
+
+def _tensors(vector: Any) -> list[torch.Tensor]:
+    """Zero-copy tensors from an OrtValueVector; bools travel through DLPack as uint8."""
+    tensors: list[torch.Tensor] = vector.to_dlpacks(torch._C._from_dlpack)
+    for k in vector.bool_tensor_indices():
+        tensors[k] = tensors[k].to(torch.bool)
+    return tensors
+
+
+def _post_forward(step: Step, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if step.batch_norms:
+        with torch.no_grad():
+            for update in step.batch_norms:
+                update.apply(outputs)
+    return outputs[: step.num_user_outputs]
+
+
+def run_inference(program: InferenceProgram, step: Step, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if step.seeds_dropout:
+        _seed_dropout()
+    fetches = runtime.capi().OrtValueVector()
+    try:
+        program.session._sess.run_with_ortvaluevector(
+            program.run_options,
+            program.feed_names,
+            _push(feeds),
+            program.fetch_names,
+            fetches,
+            program.fetch_devices,
+        )
+    except Exception as exc:
+        raise ExecutionError(step.module_class, f"ONNX Runtime forward failed: {_msg(exc)}", "Run eagerly") from exc
+    return _post_forward(step, _tensors(fetches))
+
+
+class _RunState:
+    __slots__ = ("output_info", "state")
+
+    def __init__(self, state: Any, output_info: list[tuple[torch.Size, torch.device, torch.dtype]]) -> None:
+        self.state = state
+        self.output_info = output_info
+
+
+class TrainingCall(torch.autograd.Function):
+    """Forward and backward of one graph; the feeds are the Function's inputs so autograd
+    routes each gradient to its parameter or input."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        program: TrainingProgram,
+        step: Step,
+        saved: tuple[int, ...],
+        *feeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        _, capi = runtime.load()
+        if step.seeds_dropout:
+            _seed_dropout()
+        state = capi.PartialGraphExecutionState()
+        outputs_vector = capi.OrtValueVector()
+        try:
+            program.agent.run_forward(_push(feeds), outputs_vector, state, None)
+        except Exception as exc:
+            raise ExecutionError(
+                step.module_class, f"ONNX Runtime forward failed: {_msg(exc)}", "Run eagerly"
+            ) from exc
+        outputs = _tensors(outputs_vector)
+        ctx.program = program
+        ctx.step = step
+        ctx.run = _RunState(state, [(o.shape, o.device, o.dtype) for o in outputs])
+        ctx.set_materialize_grads(False)
+        # Saved only for autograd's version check: an in-place write to a parameter between
+        # forward and backward raises as in eager instead of silently using the new values.
+        ctx.save_for_backward(*(feeds[k] for k in saved))
+        user = _post_forward(step, outputs)
+        for k, out in enumerate(user):
+            if k in program.non_differentiable or not out.is_floating_point():
+                ctx.mark_non_differentiable(out)
+        return tuple(user)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        program: TrainingProgram = ctx.program
+        step: Step = ctx.step
+        run: _RunState = ctx.run
+        _ = ctx.saved_tensors
+        grads = []
+        for k in range(program.num_outputs):
+            if k in program.non_differentiable:
+                continue
+            grad = grad_outputs[k] if k < len(grad_outputs) else None
+            if grad is None:
+                shape, device, dtype = run.output_info[k]
+                if k in program.full_shape_grads:
+                    grad = torch.zeros(shape, device=device, dtype=dtype)
+                else:
+                    grad = torch.zeros((), device=device, dtype=dtype)
+            grads.append(grad)
+        _, capi = runtime.load()
+        results = capi.OrtValueVector()
+        try:
+            program.agent.run_backward(_push(grads), results, run.state)
+        except Exception as exc:
+            raise ExecutionError(
+                step.module_class, f"ONNX Runtime backward failed: {_msg(exc)}", "Run eagerly"
+            ) from exc
+        finally:
+            run.state = None
+        tensors = _tensors(results)
+        feed_grads = tuple(tensors[i] if i >= 0 else None for i in program.grad_index)
+        return (None, None, None, *feed_grads)
+
+
+def _msg(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:400]

@@ -1,0 +1,89 @@
+"""A bounded LRU of built graphs that builds each key once, even under concurrent misses."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class _Failed:
+    """A remembered build failure: the same key is not rebuilt on every call."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class GraphCache(Generic[V]):
+    def __init__(self, capacity: int = 8) -> None:
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[Hashable, V | _Failed] = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[Hashable, threading.Lock] = {}
+        self.builds = 0
+        self.hits = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return sum(1 for v in self._entries.values() if not isinstance(v, _Failed))
+
+    def values(self) -> list[V]:
+        with self._lock:
+            return [v for v in self._entries.values() if not isinstance(v, _Failed)]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def get(self, key: Hashable) -> V | None:
+        """A hit, or None; a remembered failure is raised again."""
+        with self._lock:
+            value = self._entries.get(key)
+            if value is None:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+        if isinstance(value, _Failed):
+            raise value.error
+        return value
+
+    def get_or_build(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The entry for `key`, building it at most once; a failed build is remembered."""
+        value = self.get(key)
+        if value is not None:
+            return value
+        with self._lock:
+            gate = self._building.setdefault(key, threading.Lock())
+        with gate:
+            with self._lock:
+                value_or_failure = self._entries.get(key)
+            if isinstance(value_or_failure, _Failed):
+                raise value_or_failure.error
+            if value_or_failure is not None:
+                return value_or_failure
+            try:
+                value = build()
+            except Exception as exc:
+                self._store(key, _Failed(exc))
+                raise
+            finally:
+                with self._lock:
+                    self._building.pop(key, None)
+            self._store(key, value)
+            self.builds += 1
+            return value
+
+    def _store(self, key: Hashable, value: V | _Failed) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+                self.evictions += 1

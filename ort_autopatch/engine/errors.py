@@ -1,0 +1,97 @@
+"""Typed engine failures.
+
+Each error names the module class, the cause and what the user can do, and carries a `kind`
+that the fallback policy maps to ORTModule's FALLBACK_* names, so the engine itself never needs
+to know about policies or configuration.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class FailureKind(enum.Enum):
+    """Why ONNX Runtime could not take a call; mirrors ORTModule's fallback categories."""
+
+    UNSUPPORTED_DEVICE = "unsupported_device"
+    UNSUPPORTED_DATA = "unsupported_data"
+    UNSUPPORTED_TORCH_MODEL = "unsupported_torch_model"
+    UNSUPPORTED_ONNX_MODEL = "unsupported_onnx_model"
+    BAD_INITIALIZATION = "bad_initialization"
+    RUNTIME = "runtime"
+
+
+class EngineError(RuntimeError):
+    """Base of every failure raised by the engine."""
+
+    kind: FailureKind = FailureKind.RUNTIME
+    reason: str = "engine error"
+
+    def __init__(self, module_class: str, cause: str, remedy: str) -> None:
+        self.module_class = module_class
+        self.cause = cause
+        self.remedy = remedy
+        super().__init__(f"{module_class}: {cause}. {remedy}")
+
+
+class UnsupportedInputError(EngineError):
+    """An argument the graph cannot take (a non-tensor leaf that is not a plain constant)."""
+
+    kind = FailureKind.UNSUPPORTED_DATA
+    reason = "unsupported input"
+
+
+class MixedDevicesError(EngineError):
+    """Inputs, parameters or buffers live on more than one device."""
+
+    kind = FailureKind.UNSUPPORTED_DEVICE
+    reason = "mixed devices"
+
+
+class UnsupportedDeviceError(EngineError):
+    """The tensors live on a device ONNX Runtime has no provider for here."""
+
+    kind = FailureKind.UNSUPPORTED_DEVICE
+    reason = "unsupported device"
+
+
+class UnsupportedModelError(EngineError):
+    """Something about the module the engine knows it cannot reproduce faithfully."""
+
+    kind = FailureKind.UNSUPPORTED_TORCH_MODEL
+    reason = "unsupported model"
+
+
+class ExportError(EngineError):
+    """torch.onnx.export failed on the module."""
+
+    kind = FailureKind.UNSUPPORTED_TORCH_MODEL
+    reason = "export failed"
+
+
+class GradientBuildError(EngineError):
+    """ONNX Runtime's gradient builder could not differentiate the exported graph."""
+
+    kind = FailureKind.UNSUPPORTED_ONNX_MODEL
+    reason = "gradient build failed"
+
+
+class SessionError(EngineError):
+    """ONNX Runtime could not create a session for the graph."""
+
+    kind = FailureKind.BAD_INITIALIZATION
+    reason = "session creation failed"
+
+
+class RuntimeUnavailableError(EngineError):
+    """No ONNX Runtime training build can be imported in this interpreter."""
+
+    kind = FailureKind.BAD_INITIALIZATION
+    reason = "onnxruntime-training unavailable"
+
+
+class ExecutionError(EngineError):
+    """ONNX Runtime failed while running forward or backward."""
+
+    kind = FailureKind.RUNTIME
+    reason = "execution failed"

@@ -1,0 +1,238 @@
+"""Exporting one call of a module to an ONNX graph, without leaving a trace on the module.
+
+The module is wrapped so that the exported graph takes a flat tuple of tensors (user inputs,
+then parameters and buffers as graph inputs fed by reference) and returns a flat tuple of
+tensors. Non-tensor leaves of the inputs are baked into the graph and belong to the cache key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
+
+_state = threading.local()
+
+
+def is_exporting() -> bool:
+    """True while this thread runs an export started by the engine (patched calls step aside)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _exporting() -> Iterator[None]:
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+class _OutputIdentity(torch.autograd.Function):
+    """Marks each graph output with an Identity node.
+
+    Without it an input returned unchanged would be both a graph input and a graph output,
+    which ONNX Runtime's gradient builder rejects.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    @staticmethod
+    def symbolic(g: Any, x: Any) -> Any:
+        return g.op("Identity", x)
+
+
+@dataclass
+class CallSpec:
+    """How to rebuild a call's (args, kwargs) from the flat tensors fed to the graph."""
+
+    spec: pytree.TreeSpec
+    leaves: list[Any]  # non-tensor leaves in place, None where a tensor goes
+    tensor_positions: list[int]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves = list(self.leaves)
+        for pos, tensor in zip(self.tensor_positions, tensors, strict=True):
+            leaves[pos] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+@dataclass
+class OutputSpec:
+    """The structure of what forward returned, with its non-tensor leaves as constants."""
+
+    spec: pytree.TreeSpec
+    leaves: list[Any]
+    tensor_positions: list[int]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for pos, tensor in zip(self.tensor_positions, tensors, strict=True):
+            leaves[pos] = tensor
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+class _FlatModule(torch.nn.Module):
+    """Takes and returns flat tensor tuples around the user's module (registered as `m`)."""
+
+    def __init__(
+        self, module: torch.nn.Module, forward: Callable[..., Any], call_spec: CallSpec
+    ) -> None:
+        super().__init__()
+        self.m = module
+        self._forward = forward
+        self._call_spec = call_spec
+        self.output_spec: OutputSpec | None = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = self._call_spec.rebuild(tensors)
+        result = self._forward(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(result)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.output_spec = OutputSpec(spec, constants, positions)
+        return tuple(_OutputIdentity.apply(leaves[i]) for i in positions)
+
+
+@dataclass
+class ExportedGraph:
+    """An exported graph and what is needed to feed it and rebuild its outputs."""
+
+    model_bytes: bytes
+    user_input_names: list[str]
+    output_spec: OutputSpec
+    # graph input name -> name of the parameter or buffer relative to the user's module
+    state_names: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+PARAM_PREFIX = "m."
+
+
+def export_call(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    call_spec: CallSpec,
+    tensors: Sequence[torch.Tensor],
+    *,
+    opset: int,
+    dynamic: bool = True,
+) -> ExportedGraph:
+    """Trace `forward(*args, **kwargs)` once and return the ONNX graph.
+
+    Parameters, buffers and RNG states are exactly as before when this returns, also on failure.
+    """
+    cls = type(module).__qualname__
+    wrapper = _FlatModule(module, forward, call_spec)
+    input_names = [f"input_{i}" for i in range(len(tensors))]
+    dynamic_axes: dict[str, dict[int, str]] = {}
+    if dynamic:
+        dynamic_axes = {
+            name: {d: f"{name}_dim{d}" for d in range(t.dim())}
+            for name, t in zip(input_names, tensors, strict=True)
+        }
+    buffer = io.BytesIO()
+    start = time.perf_counter()
+    try:
+        with preserved_state(module), _exporting(), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                wrapper,
+                tuple(t.detach() for t in tensors),
+                buffer,
+                dynamo=False,
+                opset_version=opset,
+                training=torch.onnx.TrainingMode.PRESERVE,
+                do_constant_folding=False,
+                export_params=False,
+                keep_initializers_as_inputs=True,
+                input_names=input_names,
+                dynamic_axes=dynamic_axes or None,
+            )
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:
+        raise ExportError(
+            cls,
+            f"torch.onnx.export failed: {type(exc).__name__}: {_first_line(exc)}",
+            "Exclude this class (ORT_AUTOPATCH_EXCLUDE) or keep the default fallback policy, "
+            "which runs it eagerly",
+        ) from exc
+    if wrapper.output_spec is None:  # pragma: no cover - forward always runs when export succeeds
+        raise ExportError(cls, "the export never ran forward", "Report this as a bug")
+    state_names = {
+        name: name[len(PARAM_PREFIX) :]
+        for name, _ in (*wrapper.named_parameters(), *wrapper.named_buffers())
+    }
+    return ExportedGraph(
+        model_bytes=buffer.getvalue(),
+        user_input_names=input_names,
+        output_spec=wrapper.output_spec,
+        state_names=state_names,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Restore buffers and every RNG state after running the module for an export.
+
+    Tracing runs forward once: BatchNorm would take one extra step of running statistics and
+    dropout would advance the generators. Parameters are checked rather than copied (an export
+    never writes them unless forward mutates them in place, which is refused).
+    """
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    versions = [(name, p, p._version) for name, p in module.named_parameters()]
+    torch_rng = torch.random.get_rng_state()
+    cuda_rng = (
+        torch.cuda.get_rng_state_all()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None
+    )
+    py_rng = random.getstate()
+    np_random = sys.modules.get("numpy.random")
+    np_rng = np_random.get_state() if np_random is not None else None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                if buf.shape == saved.shape:
+                    buf.copy_(saved)
+        torch.random.set_rng_state(torch_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(py_rng)
+        if np_random is not None and np_rng is not None:
+            np_random.set_state(np_rng)  # type: ignore[attr-defined]
+    changed = [name for name, p, v in versions if p._version != v]
+    if changed:
+        raise UnsupportedModelError(
+            type(module).__qualname__,
+            f"forward modifies parameter(s) {', '.join(changed)} in place",
+            "Such a module cannot be replayed from a graph; exclude it (ORT_AUTOPATCH_EXCLUDE)",
+        )

@@ -1,0 +1,251 @@
+"""Named, tested passes that make a TorchScript export trainable by ONNX Runtime 1.19.2.
+
+Each pass edits an `onnx.ModelProto` in place and says whether it changed anything, so tests
+can exercise them one by one and the session builder can log what it applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto, helper
+
+#: Bumped whenever a pass changes what it emits; part of every persistent cache key.
+GRAPH_FIX_VERSION = 1
+
+
+def _unique(model: onnx.ModelProto, base: str) -> str:
+    taken = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
+def name_outputs(model: onnx.ModelProto) -> list[str]:
+    """Rename graph outputs to output_0..N so feeds and fetches never depend on trace numbering."""
+    names = []
+    for i, out in enumerate(model.graph.output):
+        new = f"output_{i}"
+        old = out.name
+        if old != new:
+            for node in model.graph.node:
+                for k, name in enumerate(node.output):
+                    if name == old:
+                        node.output[k] = new
+                for k, name in enumerate(node.input):
+                    if name == old:
+                        node.input[k] = new
+            out.name = new
+        names.append(new)
+    return names
+
+
+def relax_shapes(model: onnx.ModelProto) -> bool:
+    """Drop traced intermediate and output shapes: they hold the example's sizes, not the rule."""
+    del model.graph.value_info[:]
+    for out in model.graph.output:
+        tensor_type = out.type.tensor_type
+        if tensor_type.HasField("shape"):
+            for k, dim in enumerate(tensor_type.shape.dim):
+                dim.Clear()
+                dim.dim_param = f"{out.name}_dim{k}"
+    return True
+
+
+def layer_norm_outputs(model: onnx.ModelProto) -> int:
+    """Give LayerNormalization its mean and inv_std_dev outputs.
+
+    ORT's gradient builder reads them (`GradientBuilderBase::O(1..2)`) and fails otherwise.
+    """
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            while len(node.output) < 3:
+                node.output.append(_unique(model, f"{node.name or 'ln'}_stat{len(node.output)}"))
+            changed += 1
+    return changed
+
+
+def attention_dropout(model: onnx.ModelProto) -> int:
+    """Make Dropout nodes emitted by attention symbolics actually drop in training.
+
+    The scaled_dot_product_attention symbolic emits Dropout(x, ratio) with neither the
+    training_mode input (so it never drops) nor the mask output DropoutGrad needs. Such nodes only
+    appear when dropout_p > 0 was traced, i.e. in training, so they get training_mode=True.
+    """
+    changed = 0
+    new_nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.input) < 3:
+            if len(node.input) < 2 or not node.input[1]:
+                continue  # no ratio: the default 0.5 is not what attention asked for; leave it
+            flag = _unique(model, f"{node.name or 'dropout'}_training_mode")
+            new_nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [flag],
+                    value=helper.make_tensor(flag, TensorProto.BOOL, [], [True]),
+                )
+            )
+            node.input.append(flag)
+            if len(node.output) < 2:
+                node.output.append(_unique(model, f"{node.name or 'dropout'}_mask"))
+            changed += 1
+    for k, const in enumerate(new_nodes):
+        model.graph.node.insert(k, const)
+    return changed
+
+
+@dataclass(frozen=True)
+class BatchNormStats:
+    """Graph outputs carrying one training BatchNorm's batch statistics."""
+
+    running_mean: str  # graph input (buffer) name the statistics belong to
+    running_var: str
+    mean_output: str
+    var_output: str  # biased batch variance
+    shape_output: str  # shape of the normalised input, to count elements per channel
+
+
+def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
+    """Route training BatchNorm statistics to graph outputs; the bridge updates the buffers.
+
+    ORT's kernel updates running stats with the biased variance, writes them into the fed
+    buffers in place, never counts num_batches_tracked and cannot do momentum=None. Setting
+    momentum to 0 and feeding internal zeros turns its running-stat outputs into the plain
+    batch mean and biased variance, leaving PyTorch's exact update rule to the bridge.
+    """
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    found: list[BatchNormStats] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        stats_in = node.input[3:5] if len(node.input) >= 5 else []
+        if (
+            node.op_type != "BatchNormalization"
+            or node.domain not in ("", "ai.onnx")
+            or not any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
+            or len(node.output) < 3
+            or not all(name in inputs for name in stats_in)
+            or len(stats_in) != 2
+        ):
+            nodes.append(node)
+            continue
+        mean_in, var_in = stats_in
+        for attr in node.attribute:
+            if attr.name == "momentum":
+                attr.f = 0.0
+                break
+        else:
+            node.attribute.append(helper.make_attribute("momentum", 0.0))
+        scale_shape = _unique(model, f"{mean_in}__channels")
+        shape_x = _unique(model, f"{mean_in}__input_shape")
+        nodes.append(helper.make_node("Shape", [node.input[1]], [scale_shape]))
+        zeros = []
+        for source in (mean_in, var_in):
+            # With momentum 0 the value is irrelevant, but the kernel writes into this tensor
+            # in place: a distinct value per tensor stops ORT from merging them into one
+            # buffer, which would make the mean and variance outputs alias each other.
+            fill = helper.make_tensor("fill", inputs[mean_in], [1], [len(found) * 2 + len(zeros)])
+            name = _unique(model, f"{source}__placeholder")
+            nodes.append(helper.make_node("ConstantOfShape", [scale_shape], [name], value=fill))
+            zeros.append(name)
+        nodes.append(helper.make_node("Shape", [node.input[0]], [shape_x]))
+        node.input[3], node.input[4] = zeros
+        nodes.append(node)
+        found.append(BatchNormStats(mean_in, var_in, node.output[1], node.output[2], shape_x))
+    if found:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        for stats in found:
+            elem = inputs[stats.running_mean]
+            model.graph.output.extend(
+                [
+                    helper.make_tensor_value_info(stats.mean_output, elem, None),
+                    helper.make_tensor_value_info(stats.var_output, elem, None),
+                    helper.make_tensor_value_info(stats.shape_output, TensorProto.INT64, None),
+                ]
+            )
+    return found
+
+
+def embedding_padding(model: onnx.ModelProto, padding: dict[str, int]) -> list[str]:
+    """Keep gradients away from nn.Embedding's padding_idx row, as eager does.
+
+    The export is a plain Gather, so ORT would train the pad row. Positions holding the pad index
+    gather from a second, non-trained input fed with the same weight; returns those input names.
+    A gradient hook would be wrong with tied weights, whose other uses must still train the row.
+    """
+    extra: list[str] = []
+    graph_inputs = {i.name: i for i in model.graph.input}
+    rewritten: list[tuple[int, list[onnx.NodeProto]]] = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "Gather" or node.input[0] not in padding:
+            continue
+        if any(a.name == "axis" and a.i != 0 for a in node.attribute):
+            continue
+        weight, ids = node.input[0], node.input[1]
+        frozen = f"{weight}__frozen"
+        if frozen not in graph_inputs:
+            info = onnx.ValueInfoProto()
+            info.CopyFrom(graph_inputs[weight])
+            info.name = frozen
+            model.graph.input.append(info)
+            graph_inputs[frozen] = info
+            extra.append(frozen)
+        out = node.output[0]
+        base = _unique(model, f"{out}__pad")
+        trained, still, pad, is_pad, mask = (f"{base}_{s}" for s in "tspqm")
+        node.output[0] = trained
+        axes = f"{base}_axes"
+        nodes = [
+            helper.make_node("Gather", [frozen, ids], [still], axis=0),
+            helper.make_node(
+                "Constant", [], [pad], value=helper.make_tensor(pad, TensorProto.INT64, [], [padding[weight]])
+            ),
+            helper.make_node(
+                "Constant", [], [axes], value=helper.make_tensor(axes, TensorProto.INT64, [1], [-1])
+            ),
+            helper.make_node("Cast", [ids], [f"{base}_ids64"], to=TensorProto.INT64),
+            helper.make_node("Equal", [f"{base}_ids64", pad], [is_pad]),
+            helper.make_node("Unsqueeze", [is_pad, axes], [mask]),
+            helper.make_node("Where", [mask, still, trained], [out]),
+        ]
+        rewritten.append((index, nodes))
+    for index, nodes in reversed(rewritten):
+        for k, new in enumerate(nodes):
+            model.graph.node.insert(index + 1 + k, new)
+    return extra
+
+
+def yield_extra_outputs(gradient_model: onnx.ModelProto, names: list[str]) -> int:
+    """Hand extra forward values (BatchNorm statistics) out of a gradient graph.
+
+    As graph outputs they would be treated as differentiable and need gradients the builder
+    cannot make. Appended to the YieldOp as non-differentiable inputs, the way ORT returns its
+    own cached frontier tensors, they come back from run_forward after the user outputs.
+    Returns the number of forward outputs.
+    """
+    for node in gradient_model.graph.node:
+        if node.op_type == "YieldOp":
+            first = len(node.input)
+            node.input.extend(names)
+            for attr in node.attribute:
+                if attr.name == "non_differentiable_outputs":
+                    attr.ints.extend(range(first, first + len(names)))
+                    break
+            else:
+                node.attribute.append(
+                    helper.make_attribute(
+                        "non_differentiable_outputs", list(range(first, first + len(names)))
+                    )
+                )
+            return len(node.input)
+    raise ValueError("the gradient graph has no YieldOp")
+
+
+def has_op(model: onnx.ModelProto, op_type: str) -> bool:
+    return any(n.op_type == op_type for n in model.graph.node)

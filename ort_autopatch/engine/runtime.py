@@ -1,0 +1,111 @@
+"""Loading ONNX Runtime's training build, lazily and cheaply.
+
+`import onnxruntime` runs a package validation that tries to import ORTModule; on torch >= 2.6 that
+import fails after ~0.4 s and, where it succeeds, replaces `torch.manual_seed` and
+`torch.utils.checkpoint.checkpoint`. The engine only needs the C++ primitives, so it hides
+`onnxruntime.training` for the duration of the first import: the validation then sees a
+non-ORTModule build, torch stays untouched and the import costs a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+from ort_autopatch.engine.errors import RuntimeUnavailableError
+
+TRAINING_DISTRIBUTIONS = ("onnxruntime-training", "onnxruntime-training-cpu")
+INFERENCE_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+
+_lock = threading.Lock()
+_capi: ModuleType | None = None
+_ort: ModuleType | None = None
+
+
+def installed_distributions() -> dict[str, str]:
+    """Installed ONNX Runtime distributions and their versions, from package metadata."""
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover - Python < 3.8
+        import importlib_metadata as metadata  # type: ignore[no-redef]
+    found: dict[str, str] = {}
+    for name in TRAINING_DISTRIBUTIONS + INFERENCE_DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def unavailable_reason() -> str | None:
+    """Why this interpreter cannot accelerate, or None when a training build is installed."""
+    found = installed_distributions()
+    if any(name in found for name in TRAINING_DISTRIBUTIONS):
+        return None
+    if sys.version_info >= (3, 12):
+        return (
+            f"onnxruntime-training has no wheels for Python {sys.version_info.major}."
+            f"{sys.version_info.minor} (its last release, 1.19.2, stops at 3.11); "
+            "use Python <= 3.11 to accelerate"
+        )
+    if found:
+        names = ", ".join(f"{k}=={v}" for k, v in found.items())
+        return (
+            f"{names} is an inference-only build; install ort-autopatch[cpu] "
+            "(onnxruntime-training-cpu) or ort-autopatch[gpu] (onnxruntime-training) instead"
+        )
+    return (
+        "no ONNX Runtime training build is installed; install ort-autopatch[cpu] or "
+        "ort-autopatch[gpu]"
+    )
+
+
+def load() -> tuple[ModuleType, ModuleType]:
+    """Import onnxruntime and its C API once; raise RuntimeUnavailableError with the reason."""
+    global _capi, _ort
+    if _capi is not None and _ort is not None:
+        return _ort, _capi
+    with _lock:
+        if _capi is None or _ort is None:
+            _ort, _capi = _import()
+    return _ort, _capi
+
+
+def _import() -> tuple[ModuleType, ModuleType]:
+    hide = "onnxruntime" not in sys.modules and "onnxruntime.training" not in sys.modules
+    if hide:
+        # A None entry makes `import onnxruntime.training...` raise ImportError at once.
+        sys.modules["onnxruntime.training"] = None  # type: ignore[assignment]
+    try:
+        import onnxruntime
+        from onnxruntime.capi import _pybind_state as capi
+    except ImportError as exc:
+        reason = unavailable_reason() or f"importing onnxruntime failed: {exc}"
+        raise RuntimeUnavailableError("ort_autopatch", reason, "Run the model eagerly") from exc
+    finally:
+        if hide and sys.modules.get("onnxruntime.training", 0) is None:
+            del sys.modules["onnxruntime.training"]
+    if not hasattr(capi, "OrtModuleGraphBuilder"):
+        reason = unavailable_reason() or "the installed onnxruntime has no training support"
+        raise RuntimeUnavailableError("ort_autopatch", reason, "Install a training build")
+    return onnxruntime, capi
+
+
+def version() -> str | None:
+    """ONNX Runtime's version without importing it."""
+    for name, ver in installed_distributions().items():
+        if name in TRAINING_DISTRIBUTIONS:
+            return ver
+    return next(iter(installed_distributions().values()), None)
+
+
+def available_providers() -> list[str]:
+    ort, _ = load()
+    providers: list[str] = ort.get_available_providers()
+    return providers
+
+
+def capi() -> Any:
+    return load()[1]

@@ -1,0 +1,125 @@
+"""What a call looks like to the cache: its tensors, its structure and its constants."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ort_autopatch.engine.errors import MixedDevicesError, UnsupportedInputError
+from ort_autopatch.engine.export import CallSpec
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+TensorSig = tuple[torch.dtype, int, torch.device, bool]
+
+
+@dataclasses.dataclass
+class FlatCall:
+    tensors: list[torch.Tensor]
+    signature: Hashable
+    call_spec: CallSpec | None  # built lazily: only a cache miss needs it
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def spec(self) -> CallSpec:
+        if self.call_spec is None:
+            self.call_spec = _call_spec(self.args, self.kwargs)
+        return self.call_spec
+
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.shape) for t in self.tensors)
+
+
+def _tensor_sig(t: torch.Tensor) -> TensorSig:
+    return (t.dtype, t.dim(), t.device, t.requires_grad)
+
+
+def flatten_call(cls: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatCall:
+    """Split a call into its tensors and a hashable signature (structure, dtypes, ranks,
+    devices, requires_grad and the values of non-tensor leaves)."""
+    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+        # The common case, without pytree's cost.
+        tensors = list(args)
+        sig: Hashable = (len(args), tuple(_tensor_sig(t) for t in tensors))
+        _check_devices(cls, tensors)
+        return FlatCall(tensors, sig, None, args, kwargs)
+    _register_dataclasses((args, kwargs))
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = []
+    parts: list[Hashable] = []
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            parts.append(_tensor_sig(leaf))
+        elif isinstance(leaf, _CONSTANT_TYPES):
+            parts.append((type(leaf), leaf))
+        else:
+            path = _leaf_path(args, kwargs, index)
+            raise UnsupportedInputError(
+                cls,
+                f"argument {path} is a {type(leaf).__name__}, which a graph can neither take as a "
+                "tensor nor bake in as a constant",
+                "Pass tensors, Python numbers, strings or None (containers of them are fine)",
+            )
+    _check_devices(cls, tensors)
+    return FlatCall(tensors, (spec, tuple(parts)), None, args, kwargs)
+
+
+def _call_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSpec:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return CallSpec(spec, constants, positions)
+
+
+def _check_devices(cls: str, tensors: list[torch.Tensor]) -> None:
+    if len(tensors) < 2:
+        return
+    first = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != first:
+            raise MixedDevicesError(
+                cls,
+                f"inputs on {first} and {t.device}",
+                "Move every input to the module's device before calling it",
+            )
+
+
+def _leaf_path(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str:
+    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    path = paths[index][0]
+    if path and isinstance(path[0], pytree.SequenceKey):
+        head, rest = ("args" if path[0].idx == 0 else "kwargs"), path[1:]
+        if head == "kwargs" and rest and isinstance(rest[0], pytree.MappingKey):
+            return f"{rest[0].key!s}{pytree.keystr(tuple(rest[1:]))}"
+        if head == "args" and rest and isinstance(rest[0], pytree.SequenceKey):
+            return f"#{rest[0].idx}{pytree.keystr(tuple(rest[1:]))}"
+    return pytree.keystr(path)
+
+
+_registered: set[type] = set()
+
+
+def _register_dataclasses(tree: Any) -> None:
+    """Teach pytree the dataclasses it meets, so their tensor fields become graph inputs."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            cls = type(node)
+            if cls not in _registered and cls not in pytree.SUPPORTED_NODES:
+                try:
+                    pytree.register_dataclass(cls)
+                except (ValueError, TypeError):
+                    pass
+                _registered.add(cls)
+            stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))

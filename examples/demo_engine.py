@@ -12,10 +12,10 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from ort_autopatch.engine import ModuleEngine  # noqa: E402
+from ort_autopatch.engine import ModuleEngine
 
 
 class Classifier(nn.Module):
@@ -24,7 +24,11 @@ class Classifier(nn.Module):
         self.body = nn.Sequential(
             # bias=False before BatchNorm: the bias gradient is pure rounding noise there,
             # which AdamW would amplify into diverging running means in both runs.
-            nn.Linear(20, 64, bias=False), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 64), nn.ReLU()
+            nn.Linear(20, 64, bias=False),
+            nn.BatchNorm1d(64),
+            nn.GELU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
         )
         self.norm = nn.LayerNorm(64)
         self.head = nn.Linear(64, 3)
@@ -50,7 +54,7 @@ def main() -> None:
         idx = torch.randint(0, len(data), (64,))
         x, y = data[idx], target[idx]
         losses = []
-        for model, opt, run in ((eager, opt_eager, eager), (accelerated, opt_ort, engine)):
+        for opt, run in ((opt_eager, eager), (opt_ort, engine)):
             opt.zero_grad()
             start = time.perf_counter()
             loss = run(x, y)
@@ -59,7 +63,9 @@ def main() -> None:
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        print(f"{step:>4}  {losses[0]:>12.6f}  {losses[1]:>12.6f}  {abs(losses[0] - losses[1]):>9.2e}")
+        print(
+            f"{step:>4}  {losses[0]:>12.6f}  {losses[1]:>12.6f}  {abs(losses[0] - losses[1]):>9.2e}"
+        )
     accelerated.eval()
     eager.eval()
     with torch.no_grad():

@@ -21,18 +21,11 @@ class BatchNormUpdate:
 
     module: torch.nn.modules.batchnorm._BatchNorm
     mean_index: int
-    var_index: int
-    shape_index: int
+    var_index: int  # the unbiased batch variance
 
     def apply(self, outputs: Sequence[torch.Tensor]) -> None:
-        """PyTorch's running-stat rule, momentum=None included, with the unbiased variance."""
+        """PyTorch's running-stat rule, momentum=None (cumulative average) included."""
         bn = self.module
-        mean, var = outputs[self.mean_index], outputs[self.var_index]
-        shape = outputs[self.shape_index].tolist()
-        count = 1
-        for k, size in enumerate(shape):
-            if k != 1:
-                count *= int(size)
         tracked = bn.num_batches_tracked
         if tracked is not None:
             tracked.add_(1)
@@ -40,10 +33,9 @@ class BatchNormUpdate:
             factor = 1.0 / float(tracked) if tracked is not None else 0.0
         else:
             factor = bn.momentum
-        unbiased = var * (count / (count - 1)) if count > 1 else var
         if bn.running_mean is not None and bn.running_var is not None:
-            bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
-            bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+            bn.running_mean.lerp_(outputs[self.mean_index].to(bn.running_mean.dtype), factor)
+            bn.running_var.lerp_(outputs[self.var_index].to(bn.running_var.dtype), factor)
 
 
 @dataclass
@@ -64,7 +56,11 @@ def _push(tensors: Sequence[torch.Tensor]) -> Any:
         t = tensor.detach()
         if not t.is_contiguous():
             t = t.contiguous()
-        vector.push_back(to_dlpack(t), t.dtype is torch.bool)
+        if t.dtype is torch.bool:
+            # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
+            vector.push_back(to_dlpack(t.view(torch.uint8)), True)
+        else:
+            vector.push_back(to_dlpack(t), False)
     return vector
 
 
@@ -91,7 +87,9 @@ def _post_forward(step: Step, outputs: list[torch.Tensor]) -> list[torch.Tensor]
     return outputs[: step.num_user_outputs]
 
 
-def run_inference(program: InferenceProgram, step: Step, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def run_inference(
+    program: InferenceProgram, step: Step, feeds: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     if step.seeds_dropout:
         _seed_dropout()
     fetches = runtime.capi().OrtValueVector()
@@ -105,14 +103,18 @@ def run_inference(program: InferenceProgram, step: Step, feeds: Sequence[torch.T
             program.fetch_devices,
         )
     except Exception as exc:
-        raise ExecutionError(step.module_class, f"ONNX Runtime forward failed: {_msg(exc)}", "Run eagerly") from exc
+        raise ExecutionError(
+            step.module_class, f"ONNX Runtime forward failed: {_msg(exc)}", "Run eagerly"
+        ) from exc
     return _post_forward(step, _tensors(fetches))
 
 
 class _RunState:
     __slots__ = ("output_info", "state")
 
-    def __init__(self, state: Any, output_info: list[tuple[torch.Size, torch.device, torch.dtype]]) -> None:
+    def __init__(
+        self, state: Any, output_info: list[tuple[torch.Size, torch.device, torch.dtype]]
+    ) -> None:
         self.state = state
         self.output_info = output_info
 
@@ -122,7 +124,7 @@ class TrainingCall(torch.autograd.Function):
     routes each gradient to its parameter or input."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         program: TrainingProgram,
         step: Step,

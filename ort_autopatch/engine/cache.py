@@ -80,6 +80,12 @@ class GraphCache(Generic[V]):
             self.builds += 1
             return value
 
+    def rekey(self, old: Hashable, new: Hashable) -> None:
+        """File an entry under a more specific key (a graph that turned out shape-specific)."""
+        with self._lock:
+            if old in self._entries:
+                self._entries[new] = self._entries.pop(old)
+
     def _store(self, key: Hashable, value: V | _Failed) -> None:
         with self._lock:
             self._entries[key] = value

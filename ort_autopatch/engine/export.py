@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
+from ort_autopatch.engine.trees import register_dataclasses
 
 _state = threading.local()
 
@@ -106,6 +107,7 @@ class _FlatModule(torch.nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._call_spec.rebuild(tensors)
         result = self._forward(*args, **kwargs)
+        register_dataclasses(result)
         leaves, spec = pytree.tree_flatten(result)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -158,7 +160,7 @@ def export_call(
             torch.onnx.export(
                 wrapper,
                 tuple(t.detach() for t in tensors),
-                buffer,
+                buffer,  # type: ignore[arg-type]  # BytesIO is accepted at run time
                 dynamo=False,
                 opset_version=opset,
                 training=torch.onnx.TrainingMode.PRESERVE,
@@ -215,7 +217,7 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
     )
     py_rng = random.getstate()
     np_random = sys.modules.get("numpy.random")
-    np_rng = np_random.get_state() if np_random is not None else None  # type: ignore[attr-defined]
+    np_rng = np_random.get_state() if np_random is not None else None
     try:
         yield
     finally:
@@ -228,7 +230,7 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
         random.setstate(py_rng)
         if np_random is not None and np_rng is not None:
-            np_random.set_state(np_rng)  # type: ignore[attr-defined]
+            np_random.set_state(np_rng)
     changed = [name for name, p, v in versions if p._version != v]
     if changed:
         raise UnsupportedModelError(

@@ -107,21 +107,22 @@ class BatchNormStats:
     running_mean: str  # graph input (buffer) name the statistics belong to
     running_var: str
     mean_output: str
-    var_output: str  # biased batch variance
-    shape_output: str  # shape of the normalised input, to count elements per channel
+    var_output: str  # unbiased batch variance, as PyTorch's running_var update uses
 
 
 def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
     """Route training BatchNorm statistics to graph outputs; the bridge updates the buffers.
 
     ORT's kernel updates running stats with the biased variance, writes them into the fed
-    buffers in place, never counts num_batches_tracked and cannot do momentum=None. Setting
-    momentum to 0 and feeding internal zeros turns its running-stat outputs into the plain
-    batch mean and biased variance, leaving PyTorch's exact update rule to the bridge.
+    buffers in place, never counts num_batches_tracked and cannot do momentum=None. With
+    momentum 0 and internal placeholder inputs, its running-stat outputs become the plain batch
+    mean and biased variance; the variance is rescaled by n/(n-1) in the graph (n, the elements
+    per channel, is only known there) and PyTorch's update rule is left to the bridge.
     """
     inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     found: list[BatchNormStats] = []
     nodes: list[onnx.NodeProto] = []
+    float_type = TensorProto.FLOAT
     for node in model.graph.node:
         stats_in = node.input[3:5] if len(node.input) >= 5 else []
         if (
@@ -129,34 +130,50 @@ def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
             or node.domain not in ("", "ai.onnx")
             or not any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
             or len(node.output) < 3
-            or not all(name in inputs for name in stats_in)
             or len(stats_in) != 2
+            or not all(name in inputs for name in stats_in)
         ):
             nodes.append(node)
             continue
         mean_in, var_in = stats_in
+        elem = inputs[mean_in]
         for attr in node.attribute:
             if attr.name == "momentum":
                 attr.f = 0.0
                 break
         else:
             node.attribute.append(helper.make_attribute("momentum", 0.0))
-        scale_shape = _unique(model, f"{mean_in}__channels")
-        shape_x = _unique(model, f"{mean_in}__input_shape")
-        nodes.append(helper.make_node("Shape", [node.input[1]], [scale_shape]))
-        zeros = []
-        for source in (mean_in, var_in):
+        base = _unique(model, f"{mean_in}__bn")
+        channels, placeholders = f"{base}_channels", []
+        nodes.append(helper.make_node("Shape", [node.input[1]], [channels]))
+        for k in range(2):
             # With momentum 0 the value is irrelevant, but the kernel writes into this tensor
             # in place: a distinct value per tensor stops ORT from merging them into one
             # buffer, which would make the mean and variance outputs alias each other.
-            fill = helper.make_tensor("fill", inputs[mean_in], [1], [len(found) * 2 + len(zeros)])
-            name = _unique(model, f"{source}__placeholder")
-            nodes.append(helper.make_node("ConstantOfShape", [scale_shape], [name], value=fill))
-            zeros.append(name)
-        nodes.append(helper.make_node("Shape", [node.input[0]], [shape_x]))
-        node.input[3], node.input[4] = zeros
+            fill = helper.make_tensor("fill", elem, [1], [len(found) * 2 + k])
+            placeholders.append(f"{base}_placeholder{k}")
+            nodes.append(
+                helper.make_node("ConstantOfShape", [channels], [placeholders[-1]], value=fill)
+            )
+        node.input[3], node.input[4] = placeholders
         nodes.append(node)
-        found.append(BatchNormStats(mean_in, var_in, node.output[1], node.output[2], shape_x))
+        one = helper.make_tensor(f"{base}_one", float_type, [], [1.0])
+        nodes.extend(
+            [
+                helper.make_node("Shape", [node.input[0]], [f"{base}_shape"]),
+                helper.make_node("Cast", [f"{base}_shape"], [f"{base}_shapef"], to=float_type),
+                helper.make_node("ReduceProd", [f"{base}_shapef"], [f"{base}_numel"], keepdims=0),
+                helper.make_node("Cast", [channels], [f"{base}_channelsf"], to=float_type),
+                helper.make_node("ReduceProd", [f"{base}_channelsf"], [f"{base}_c"], keepdims=0),
+                helper.make_node("Div", [f"{base}_numel", f"{base}_c"], [f"{base}_n"]),
+                helper.make_node("Constant", [], [f"{base}_one"], value=one),
+                helper.make_node("Sub", [f"{base}_n", f"{base}_one"], [f"{base}_n1"]),
+                helper.make_node("Div", [f"{base}_n", f"{base}_n1"], [f"{base}_factor"]),
+                helper.make_node("Cast", [f"{base}_factor"], [f"{base}_factor_t"], to=elem),
+                helper.make_node("Mul", [node.output[2], f"{base}_factor_t"], [f"{base}_unbiased"]),
+            ]
+        )
+        found.append(BatchNormStats(mean_in, var_in, node.output[1], f"{base}_unbiased"))
     if found:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
@@ -166,7 +183,6 @@ def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
                 [
                     helper.make_tensor_value_info(stats.mean_output, elem, None),
                     helper.make_tensor_value_info(stats.var_output, elem, None),
-                    helper.make_tensor_value_info(stats.shape_output, TensorProto.INT64, None),
                 ]
             )
     return found
@@ -204,7 +220,10 @@ def embedding_padding(model: onnx.ModelProto, padding: dict[str, int]) -> list[s
         nodes = [
             helper.make_node("Gather", [frozen, ids], [still], axis=0),
             helper.make_node(
-                "Constant", [], [pad], value=helper.make_tensor(pad, TensorProto.INT64, [], [padding[weight]])
+                "Constant",
+                [],
+                [pad],
+                value=helper.make_tensor(pad, TensorProto.INT64, [], [padding[weight]]),
             ),
             helper.make_node(
                 "Constant", [], [axes], value=helper.make_tensor(axes, TensorProto.INT64, [1], [-1])

@@ -15,12 +15,21 @@ import torch
 from ort_autopatch.engine import bridge, export, graph, session, signature
 from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.errors import (
+    ExportError,
+    GradientBuildError,
     MixedDevicesError,
     UnsupportedModelError,
 )
 from ort_autopatch.engine.state import ModuleState
 
 log = logging.getLogger("ort_autopatch")
+
+#: Operators whose gradients need static shapes in ORT 1.19.2 (see ModuleEngine._build).
+_STATIC_SHAPE_OPS = ("MaxPool", "AveragePool", "LpPool")
+
+
+class _NeedsStaticShapes(Exception):
+    pass
 
 
 @dataclass(frozen=True)
@@ -140,11 +149,14 @@ class ModuleEngine:
             call.signature,
             extra_key,
         )
-        if self._static_shapes:
+        static = self._static_shapes
+        if static:
             key = (key, call.shapes())
         entry = self._cache.get(key)
         if entry is None:
             entry = self._cache.get_or_build(key, lambda: self._build(module, state, call, grad))
+            if not static and self._static_shapes:
+                self._cache.rekey(key, (key, call.shapes()))
         return entry.run(state, call)
 
     # -- building ------------------------------------------------------------------------
@@ -160,14 +172,37 @@ class ModuleEngine:
             )
         device = next(iter(devices), torch.device("cpu"))
         reason, self._pending_reason = self._pending_reason, "new input signature"
-        exported = self._export(module, call, dynamic=not self._static_shapes)
-        model = _load(exported.model_bytes)
-        if grad and device.type == "cpu" and graph.has_op(model, "MaxPool") and not self._static_shapes:
-            # ORT 1.19.2's CPU MaxPoolGrad crashes the process on dynamic shapes: such
-            # graphs are built per input shape instead.
-            self._static_shapes = True
+        dynamic = not self._static_shapes
+        try:
+            exported = self._export(module, call, dynamic=dynamic)
+            model = _load(exported.model_bytes)
+            if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
+                raise _NeedsStaticShapes
+            return self._finish(module, state, call, exported, model, grad, device, reason)
+        except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
+            if not dynamic:
+                raise
+            # Pooling gradients in ORT 1.19.2 crash the process on dynamic shapes (MaxPoolGrad
+            # SIGSEGV, AveragePoolGrad SIGFPE) and adaptive pooling only exports with known
+            # sizes: such modules get one graph per input shape instead.
+            log.debug("%s: building with static shapes (%s)", self._cls, type(exc).__name__)
             exported = self._export(module, call, dynamic=False)
             model = _load(exported.model_bytes)
+            entry = self._finish(module, state, call, exported, model, grad, device, reason)
+            self._static_shapes = True
+            return entry
+
+    def _finish(
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        call: signature.FlatCall,
+        exported: export.ExportedGraph,
+        model: Any,
+        grad: bool,
+        device: torch.device,
+        reason: str,
+    ) -> _Entry:
         start = time.perf_counter()
         entry = self._prepare(module, state, call, exported, model, grad, device)
         record = BuildRecord(reason, exported.seconds, time.perf_counter() - start, grad)
@@ -182,7 +217,9 @@ class ModuleEngine:
         )
         return entry
 
-    def _export(self, module: torch.nn.Module, call: signature.FlatCall, dynamic: bool) -> export.ExportedGraph:
+    def _export(
+        self, module: torch.nn.Module, call: signature.FlatCall, dynamic: bool
+    ) -> export.ExportedGraph:
         forward = self._forward
         return export.export_call(
             module,
@@ -216,6 +253,7 @@ class ModuleEngine:
         passes["batch_norm_statistics"] = len(stats)
 
         user_index = {name: k for k, name in enumerate(exported.user_input_names)}
+
         def locate(name: str) -> tuple[bool, int]:
             if name in user_index:
                 return True, user_index[name]
@@ -230,9 +268,7 @@ class ModuleEngine:
             return False, state.index[qualified]
 
         outputs = [o.name for o in model.graph.output]
-        seeds = any(
-            n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node
-        )
+        seeds = any(n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node)
         model_bytes = model.SerializeToString()
         feeds_for_graph = [i.name for i in model.graph.input]
         batch_norms: list[bridge.BatchNormUpdate] = []
@@ -245,14 +281,15 @@ class ModuleEngine:
                         bn,
                         outputs.index(s.mean_output),
                         outputs.index(s.var_output),
-                        outputs.index(s.shape_output),
                     )
                 )
         step = bridge.Step(self._cls, num_user_outputs, batch_norms, seeds)
         if grad:
             user_names = exported.user_input_names
             requiring = [
-                n for n in user_names if n in feeds_for_graph and call.tensors[user_index[n]].requires_grad
+                n
+                for n in user_names
+                if n in feeds_for_graph and call.tensors[user_index[n]].requires_grad
             ]
             trainable = [
                 n
@@ -268,7 +305,7 @@ class ModuleEngine:
                 trainable=trainable + requiring,
                 inputs_requiring_grad=requiring,
                 user_inputs=user_names,
-                extra_outputs=outputs[num_user_outputs:],
+                extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
                 device=device,
                 settings=self.settings,
                 cls=self._cls,
@@ -279,11 +316,22 @@ class ModuleEngine:
                 for k, (is_user, i) in enumerate(feeds)
                 if program.grad_index[k] >= 0 and not is_user and state.is_param[i]
             )
-            return _Entry(True, program, step, feeds, saved, exported.output_spec, model_bytes,
-                          program.gradient_model, passes)
+            return _Entry(
+                True,
+                program,
+                step,
+                feeds,
+                saved,
+                exported.output_spec,
+                model_bytes,
+                program.gradient_model,
+                passes,
+            )
         program = session.build_inference(model_bytes, device, self.settings, self._cls)
         feeds = [locate(n) for n in program.feed_names]
-        return _Entry(False, program, step, feeds, (), exported.output_spec, model_bytes, None, passes)
+        return _Entry(
+            False, program, step, feeds, (), exported.output_spec, model_bytes, None, passes
+        )
 
 
 def _load(model_bytes: bytes) -> Any:
@@ -301,7 +349,9 @@ def _embedding_padding(state: ModuleState, state_names: dict[str, str]) -> dict[
             weight = f"{name}.weight" if name else "weight"
             index = state.index.get(weight)
             if index is None:  # tied: find the tensor's first name
-                matches = [n for n, t in zip(state.names, state.tensors, strict=True) if t is module.weight]
+                matches = [
+                    n for n, t in zip(state.names, state.tensors, strict=True) if t is module.weight
+                ]
                 if not matches:
                     continue
                 weight = matches[0]

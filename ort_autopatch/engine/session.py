@@ -193,9 +193,13 @@ def build_training(
             session._sess, fw_feeds, [dev] * num_outputs, bw_fetches, [dev] * len(bw_fetches), 0
         )
     except Exception as exc:
-        raise SessionError(cls, f"TrainingAgent failed: {_ort_message(exc)}", "Report the model") from exc
+        raise SessionError(
+            cls, f"TrainingAgent failed: {_ort_message(exc)}", "Report the model"
+        ) from exc
     grad_of: dict[str, str] = dict(info.user_input_grad_names)
-    grad_of.update(zip(info.initializer_names_to_train, info.initializer_grad_names_to_train))
+    grad_of.update(
+        zip(info.initializer_names_to_train, info.initializer_grad_names_to_train, strict=True)
+    )
     position = {name: k for k, name in enumerate(bw_fetches)}
     grad_index = [position.get(grad_of.get(name, ""), -1) for name in fw_feeds]
     return TrainingProgram(

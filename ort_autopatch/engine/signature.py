@@ -12,8 +12,20 @@ from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine.errors import MixedDevicesError, UnsupportedInputError
 from ort_autopatch.engine.export import CallSpec
+from ort_autopatch.engine.trees import register_dataclasses
 
-_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_CONSTANT_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    enum.Enum,
+)
 
 TensorSig = tuple[torch.dtype, int, torch.device, bool]
 
@@ -48,7 +60,7 @@ def flatten_call(cls: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
         sig: Hashable = (len(args), tuple(_tensor_sig(t) for t in tensors))
         _check_devices(cls, tensors)
         return FlatCall(tensors, sig, None, args, kwargs)
-    _register_dataclasses((args, kwargs))
+    register_dataclasses((args, kwargs))
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = []
     parts: list[Hashable] = []
@@ -100,26 +112,3 @@ def _leaf_path(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str
         if head == "args" and rest and isinstance(rest[0], pytree.SequenceKey):
             return f"#{rest[0].idx}{pytree.keystr(tuple(rest[1:]))}"
     return pytree.keystr(path)
-
-
-_registered: set[type] = set()
-
-
-def _register_dataclasses(tree: Any) -> None:
-    """Teach pytree the dataclasses it meets, so their tensor fields become graph inputs."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (list, tuple)):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            cls = type(node)
-            if cls not in _registered and cls not in pytree.SUPPORTED_NODES:
-                try:
-                    pytree.register_dataclass(cls)
-                except (ValueError, TypeError):
-                    pass
-                _registered.add(cls)
-            stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))

@@ -180,10 +180,8 @@ def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
         for stats in found:
             elem = inputs[stats.running_mean]
             model.graph.output.extend(
-                [
-                    helper.make_tensor_value_info(stats.mean_output, elem, None),
-                    helper.make_tensor_value_info(stats.var_output, elem, None),
-                ]
+                helper.make_tensor_value_info(name, elem, [f"{name}_channels"])
+                for name in (stats.mean_output, stats.var_output)
             )
     return found
 
@@ -257,9 +255,10 @@ def yield_extra_outputs(gradient_model: onnx.ModelProto, names: list[str]) -> in
                     attr.ints.extend(range(first, first + len(names)))
                     break
             else:
+                indices = list(range(first, first + len(names)))
                 node.attribute.append(
                     helper.make_attribute(
-                        "non_differentiable_outputs", list(range(first, first + len(names)))
+                        "non_differentiable_outputs", indices, attr_type=onnx.AttributeProto.INTS
                     )
                 )
             return len(node.input)

@@ -1,0 +1,130 @@
+"""Each graph pass on a minimal hand-built graph: what it changes and what it leaves alone."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from ort_autopatch.engine import graph
+
+
+def _model(nodes: list[onnx.NodeProto], inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
+    return helper.make_model(
+        helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}_d0"]) for n in inputs],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in outputs],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+
+
+def test_name_outputs_renames_outputs_and_their_producers() -> None:
+    model = _model([helper.make_node("Identity", ["x"], ["17"])], ["x"], ["17"])
+    assert graph.name_outputs(model) == ["output_0"]
+    assert model.graph.node[0].output[0] == "output_0"
+
+
+def test_relax_shapes_drops_traced_output_sizes() -> None:
+    model = _model([helper.make_node("Identity", ["x"], ["y"])], ["x"], ["y"])
+    graph.relax_shapes(model)
+    dims = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims] == ["y_dim0", "y_dim1"]
+    assert not any(d.HasField("dim_value") for d in dims)
+
+
+def test_layer_norm_gets_mean_and_inv_std_outputs() -> None:
+    node = helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], name="ln")
+    model = _model([node], ["x", "w", "b"], ["y"])
+    assert graph.layer_norm_outputs(model) == 1
+    assert len(model.graph.node[0].output) == 3
+
+
+def test_attention_dropout_gets_training_mode_and_mask() -> None:
+    ratio = helper.make_node(
+        "Constant", [], ["r"], value=helper.make_tensor("r", TensorProto.FLOAT, [], [0.1])
+    )
+    drop = helper.make_node("Dropout", ["x", "r"], ["y"], name="d")
+    model = _model([ratio, drop], ["x"], ["y"])
+    assert graph.attention_dropout(model) == 1
+    fixed = next(n for n in model.graph.node if n.op_type == "Dropout")
+    assert len(fixed.input) == 3 and len(fixed.output) == 2
+    flag = next(n for n in model.graph.node if n.output[0] == fixed.input[2])
+    assert onnx.numpy_helper.to_array(flag.attribute[0].t).item() is True
+    onnx.checker.check_model(model)
+
+
+def test_attention_dropout_leaves_complete_dropout_alone() -> None:
+    drop = helper.make_node("Dropout", ["x", "r", "t"], ["y", "m"])
+    model = _model([drop], ["x", "r", "t"], ["y"])
+    assert graph.attention_dropout(model) == 0
+
+
+def _batch_norm_model(training: int) -> onnx.ModelProto:
+    node = helper.make_node(
+        "BatchNormalization",
+        ["x", "scale", "bias", "mean", "var"],
+        ["y", "running_mean", "running_var"] if training else ["y"],
+        training_mode=training,
+        momentum=0.9,
+    )
+    return _model([node], ["x", "scale", "bias", "mean", "var"], ["y"])
+
+
+def test_batch_norm_statistics_become_outputs_and_buffers_are_not_fed_to_the_kernel() -> None:
+    model = _batch_norm_model(training=1)
+    (stats,) = graph.batch_norm_statistics(model)
+    bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+    assert stats.running_mean == "mean" and stats.running_var == "var"
+    assert "mean" not in bn.input and "var" not in bn.input
+    assert next(a.f for a in bn.attribute if a.name == "momentum") == 0.0
+    assert [o.name for o in model.graph.output][-2:] == [stats.mean_output, stats.var_output]
+    onnx.checker.check_model(model)
+
+
+def test_batch_norm_placeholders_are_distinct_so_ort_cannot_merge_them() -> None:
+    model = _batch_norm_model(training=1)
+    graph.batch_norm_statistics(model)
+    fills = [
+        onnx.numpy_helper.to_array(n.attribute[0].t).item()
+        for n in model.graph.node
+        if n.op_type == "ConstantOfShape"
+    ]
+    assert len(fills) == len(set(fills)) == 2
+
+
+def test_batch_norm_in_eval_mode_is_untouched() -> None:
+    model = _batch_norm_model(training=0)
+    assert graph.batch_norm_statistics(model) == []
+
+
+def test_embedding_padding_routes_pad_positions_to_a_frozen_weight() -> None:
+    gather = helper.make_node("Gather", ["weight", "ids"], ["emb"], axis=0)
+    model = _model([gather], ["weight", "ids"], ["emb"])
+    assert graph.embedding_padding(model, {"weight": 0}) == ["weight__frozen"]
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Gather") == 2 and "Where" in ops
+    where = next(n for n in model.graph.node if n.op_type == "Where")
+    assert where.output[0] == "emb"
+    assert "weight__frozen" in [i.name for i in model.graph.input]
+
+
+def test_embedding_padding_ignores_gathers_of_other_tensors() -> None:
+    gather = helper.make_node("Gather", ["table", "ids"], ["emb"], axis=0)
+    model = _model([gather], ["table", "ids"], ["emb"])
+    assert graph.embedding_padding(model, {"weight": 0}) == []
+
+
+def test_yield_extra_outputs_appends_non_differentiable_yield_inputs() -> None:
+    yield_op = helper.make_node("YieldOp", ["out"], ["out_grad"], domain="com.microsoft")
+    model = _model([yield_op], ["out"], ["out_grad"])
+    assert graph.yield_extra_outputs(model, ["a", "b"]) == 3
+    attr = next(a for a in model.graph.node[0].attribute if a.name == "non_differentiable_outputs")
+    assert list(attr.ints) == [1, 2]
+
+
+def test_yield_extra_outputs_requires_a_yield_op() -> None:
+    with pytest.raises(ValueError, match="YieldOp"):
+        graph.yield_extra_outputs(_model([], ["x"], ["x"]), ["a"])

@@ -1,0 +1,79 @@
+"""Loading ONNX Runtime: lazily, cheaply, without side effects on torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ort_autopatch.engine import runtime
+
+
+class _Version(tuple[int, int]):
+    """Stands in for sys.version_info: compares as a tuple, has major/minor."""
+
+    def __new__(cls, major: int, minor: int) -> _Version:
+        return super().__new__(cls, (major, minor))
+
+    @property
+    def major(self) -> int:
+        return self[0]
+
+    @property
+    def minor(self) -> int:
+        return self[1]
+
+
+def _run(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return result.stdout.strip()
+
+
+def test_importing_the_engine_does_not_import_onnxruntime() -> None:
+    out = _run("import sys, ort_autopatch.engine; print('onnxruntime' in sys.modules)")
+    assert out == "False"
+
+
+def test_loading_keeps_torch_manual_seed_and_checkpoint() -> None:
+    out = _run(
+        "import torch, torch.utils.checkpoint as c\n"
+        "seed, ckpt = torch.manual_seed, c.checkpoint\n"
+        "from ort_autopatch.engine import runtime\n"
+        "runtime.load()\n"
+        "print(torch.manual_seed is seed, c.checkpoint is ckpt)"
+    )
+    assert out == "True True"
+
+
+def test_loading_does_not_leave_onnxruntime_training_blocked() -> None:
+    out = _run(
+        "import sys\n"
+        "from ort_autopatch.engine import runtime\n"
+        "runtime.load()\n"
+        "print('onnxruntime.training' in sys.modules and sys.modules['onnxruntime.training'] is None)"
+    )
+    assert out == "False"
+
+
+def test_training_build_is_reported_available() -> None:
+    assert runtime.unavailable_reason() is None
+    assert runtime.version() == "1.19.2"
+
+
+def test_inference_only_build_is_named_as_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "installed_distributions", lambda: {"onnxruntime": "1.20.0"})
+    monkeypatch.setattr(runtime.sys, "version_info", _Version(3, 11))
+    reason = runtime.unavailable_reason()
+    assert reason is not None
+    assert "onnxruntime==1.20.0 is an inference-only build" in reason
+    assert "ort-autopatch[cpu]" in reason
+
+
+def test_python_without_training_wheels_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "installed_distributions", lambda: {})
+    monkeypatch.setattr(runtime.sys, "version_info", _Version(3, 12))
+    reason = runtime.unavailable_reason()
+    assert reason is not None and "Python 3.12" in reason and "<= 3.11" in reason

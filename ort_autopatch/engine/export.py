@@ -207,7 +207,7 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
     dropout would advance the generators. Parameters are checked rather than copied (an export
     never writes them unless forward mutates them in place, which is refused).
     """
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    buffers = [(b, b._version, b.detach().clone()) for b in module.buffers()]
     versions = [(name, p, p._version) for name, p in module.named_parameters()]
     torch_rng = torch.random.get_rng_state()
     cuda_rng = (
@@ -222,8 +222,14 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            for buf, saved in buffers:
-                if buf.shape == saved.shape:
+            for buf, version, saved in buffers:
+                # Only buffers the trace wrote (kernels such as batch_norm update running
+                # stats without bumping the version, so values are compared too): a needless
+                # copy_ would bump the version of a buffer an eager autograd graph saved,
+                # breaking the user's pending backward.
+                if buf.shape == saved.shape and (
+                    buf._version != version or not torch.equal(buf, saved)
+                ):
                     buf.copy_(saved)
         torch.random.set_rng_state(torch_rng)
         if cuda_rng is not None:

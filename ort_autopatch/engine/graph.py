@@ -186,6 +186,75 @@ def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
     return found
 
 
+def eval_batch_norm_arithmetic(model: onnx.ModelProto) -> int:
+    """Spell out eval-mode BatchNorm as arithmetic in graphs that get a gradient.
+
+    ORT's gradient builder rewrites every BatchNormalization into its training kernel, so a
+    BatchNorm frozen with .eval() inside a training model would use batch statistics and
+    update its running stats. As y = x * a + b with a = scale / sqrt(var + eps) and
+    b = bias - mean * a (per channel), it keeps eval semantics and its gradients.
+    """
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in model.graph.node:
+        if (
+            node.op_type != "BatchNormalization"
+            or node.domain not in ("", "ai.onnx")
+            or any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
+        ):
+            nodes.append(node)
+            continue
+        x, scale, bias, mean, var = node.input[:5]
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        elem = inputs.get(scale, TensorProto.FLOAT)
+        b = _unique(model, f"{node.name or 'bn'}_eval")
+        nodes.extend(
+            [
+                helper.make_node(
+                    "Constant", [], [f"{b}_eps"], value=helper.make_tensor("eps", elem, [], [eps])
+                ),
+                helper.make_node("Add", [var, f"{b}_eps"], [f"{b}_var_eps"]),
+                helper.make_node("Sqrt", [f"{b}_var_eps"], [f"{b}_std"]),
+                helper.make_node("Div", [scale, f"{b}_std"], [f"{b}_a"]),
+                helper.make_node("Mul", [mean, f"{b}_a"], [f"{b}_mean_a"]),
+                helper.make_node("Sub", [bias, f"{b}_mean_a"], [f"{b}_b"]),
+                # per-channel vectors reshaped to [C, 1, ..., 1] for x of any rank >= 2
+                helper.make_node("Shape", [x], [f"{b}_xshape"]),
+                helper.make_node("Size", [f"{b}_xshape"], [f"{b}_rank"]),
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [f"{b}_two"],
+                    value=helper.make_tensor("two", TensorProto.INT64, [1], [2]),
+                ),
+                helper.make_node("Sub", [f"{b}_rank", f"{b}_two"], [f"{b}_trailing"]),
+                helper.make_node(
+                    "ConstantOfShape",
+                    [f"{b}_trailing"],
+                    [f"{b}_ones"],
+                    value=helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+                ),
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [f"{b}_minus1"],
+                    value=helper.make_tensor("m1", TensorProto.INT64, [1], [-1]),
+                ),
+                helper.make_node("Concat", [f"{b}_minus1", f"{b}_ones"], [f"{b}_target"], axis=0),
+                helper.make_node("Reshape", [f"{b}_a", f"{b}_target"], [f"{b}_a_r"]),
+                helper.make_node("Reshape", [f"{b}_b", f"{b}_target"], [f"{b}_b_r"]),
+                helper.make_node("Mul", [x, f"{b}_a_r"], [f"{b}_xa"]),
+                helper.make_node("Add", [f"{b}_xa", f"{b}_b_r"], [node.output[0]]),
+            ]
+        )
+        changed += 1
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
 def embedding_padding(model: onnx.ModelProto, padding: dict[str, int]) -> list[str]:
     """Keep gradients away from nn.Embedding's padding_idx row, as eager does.
 

@@ -249,6 +249,8 @@ class ModuleEngine:
         padding = _embedding_padding(state, exported.state_names)
         frozen = graph.embedding_padding(model, padding) if grad and padding else []
         passes["embedding_padding"] = len(frozen)
+        if grad:
+            passes["eval_batch_norm_arithmetic"] = graph.eval_batch_norm_arithmetic(model)
         stats = graph.batch_norm_statistics(model)
         passes["batch_norm_statistics"] = len(stats)
 

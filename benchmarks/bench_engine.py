@@ -1,0 +1,332 @@
+"""Step time, first-call time and peak memory of ModuleEngine against eager PyTorch.
+
+    python benchmarks/bench_engine.py [--steps 50] [--warmup 10] [--models mlp,transformer]
+
+A step is forward + loss + backward + AdamW step. Eager and engine steps are interleaved in one
+process (so both see the same machine load) and the median of `--steps` timed steps after
+`--warmup` untimed ones is reported. The first call (export + gradient build + session + the
+first step) is measured in a fresh subprocess of this script, so ONNX Runtime's import and the
+exporter's first-use warm-up are counted as a user pays them; the first call of a second model
+instance in the already-warm main process is reported as well. Peak RSS comes from the fresh
+subprocesses (eager-only and engine), so the two are comparable.
+
+Results: benchmarks/results/engine.json, and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import os
+
+# OpenMP spin-waiting can make 2-thread steps on small VMs tens of times slower and turns any
+# interleaved comparison into noise: both sides run with passive waiting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
+
+
+# --- models -----------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(512, 512)
+        self.fc2 = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(64, 512)
+    y = torch.randint(0, 10, (64,))
+    return MLP(), (x,), lambda out: F.cross_entropy(out, y)
+
+
+def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        d_model=256, nhead=4, dim_feedforward=1024, dropout=0.1, batch_first=True
+    )
+    x = torch.randn(16, 64, 256)
+    return layer, (x,), lambda out: (out * out).mean()
+
+
+MODELS: dict[
+    str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]]
+] = {
+    "mlp": _mlp,
+    "transformer": _transformer,
+}
+DESCRIPTIONS = {
+    "mlp": "MLP 512-512-10, batch 64",
+    "transformer": "TransformerEncoderLayer d256 h4 ff1024 dropout 0.1, x(16,64,256)",
+}
+
+
+def _step(
+    call: Callable[..., Any], opt: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...], loss_fn
+) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(call(*inputs))
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / (1024 * 1024)
+    except ImportError:  # pragma: no cover
+        return float("nan")
+
+
+# --- child: a fresh interpreter measuring one side ----------------------------------------------
+def child(model_name: str, side: str, steps: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    model, inputs, loss_fn = MODELS[model_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rss_before = _rss_mb()
+    result: dict[str, Any] = {"model": model_name, "side": side}
+    if side == "engine":
+        from ort_autopatch.engine import ModuleEngine
+
+        engine = ModuleEngine(model)
+        call: Callable[..., Any] = engine
+    else:
+        call = model
+    t0 = time.perf_counter()
+    out = call(*inputs)
+    t1 = time.perf_counter()
+    loss = loss_fn(out)
+    loss.backward()
+    opt.step()
+    t2 = time.perf_counter()
+    result["first_forward_s"] = t1 - t0
+    result["first_step_s"] = t2 - t0
+    times = []
+    for _ in range(steps):
+        s = time.perf_counter()
+        _step(call, opt, inputs, loss_fn)
+        times.append(time.perf_counter() - s)
+    result["steady_step_s"] = statistics.median(times) if times else None
+    if side == "engine":
+        result["records"] = [
+            {
+                "reason": r.reason,
+                "export_s": r.export_seconds,
+                "build_s": r.build_seconds,
+                "training": r.training,
+            }
+            for r in engine.records
+        ]
+        result["builds"] = engine.builds
+    result["rss_before_mb"] = rss_before
+    result["rss_mb"] = _rss_mb()
+    result["peak_rss_mb"] = _peak_rss_mb()
+    result["process_s"] = time.perf_counter() - start
+    return result
+
+
+def run_child(model_name: str, side: str, steps: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        model_name,
+        side,
+        "--child-steps",
+        str(steps),
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"child {model_name}/{side} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- parent: interleaved steady-state steps ---------------------------------------------------
+def interleaved(model_name: str, steps: int, warmup: int) -> dict[str, Any]:
+    import copy
+
+    from ort_autopatch.engine import ModuleEngine
+
+    model, inputs, loss_fn = MODELS[model_name]()
+    eager_model = copy.deepcopy(model)
+    engine_model = copy.deepcopy(model)
+    engine = ModuleEngine(engine_model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4)
+    engine_opt = torch.optim.AdamW(engine_model.parameters(), lr=1e-4)
+
+    t0 = time.perf_counter()
+    _step(engine, engine_opt, inputs, loss_fn)
+    warm_first = time.perf_counter() - t0  # ORT imported and warmed by an earlier model (or not)
+
+    eager_times, engine_times = [], []
+    for i in range(warmup + steps):
+        s = time.perf_counter()
+        _step(eager_model, eager_opt, inputs, loss_fn)
+        e = time.perf_counter()
+        _step(engine, engine_opt, inputs, loss_fn)
+        o = time.perf_counter()
+        if i >= warmup:
+            eager_times.append(e - s)
+            engine_times.append(o - e)
+
+    # A second instance of the same class in this warm process: what a second model pays.
+    second, _, _ = MODELS[model_name]()
+    second_engine = ModuleEngine(second)
+    second_opt = torch.optim.AdamW(second.parameters(), lr=1e-4)
+    s = time.perf_counter()
+    _step(second_engine, second_opt, inputs, loss_fn)
+    second_first = time.perf_counter() - s
+    eager_ms = statistics.median(eager_times) * 1e3
+    engine_ms = statistics.median(engine_times) * 1e3
+    return {
+        "eager_step_ms": eager_ms,
+        "engine_step_ms": engine_ms,
+        "ratio_engine_over_eager": engine_ms / eager_ms,
+        "eager_step_ms_p10_p90": [_pct(eager_times, 10) * 1e3, _pct(eager_times, 90) * 1e3],
+        "engine_step_ms_p10_p90": [_pct(engine_times, 10) * 1e3, _pct(engine_times, 90) * 1e3],
+        "first_call_in_process_s": warm_first,
+        "second_model_first_call_in_process_s": second_first,
+        "builds": engine.builds,
+        "build_records": [
+            {
+                "reason": r.reason,
+                "export_s": r.export_seconds,
+                "build_s": r.build_seconds,
+                "training": r.training,
+            }
+            for r in engine.records
+        ],
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "SIDE"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-steps", type=int, default=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args.child_steps)))
+        return 0
+
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+
+    from ort_autopatch.engine import runtime
+
+    report: dict[str, Any] = {
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "onnxruntime": runtime.version(),
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+            "machine": platform.machine(),
+            "steps": args.steps,
+            "warmup": args.warmup,
+        },
+        "models": {},
+    }
+    for name in names:
+        fresh_engine = run_child(name, "engine", 5)
+        fresh_eager = run_child(name, "eager", 5)
+        steady = interleaved(name, args.steps, args.warmup)
+        report["models"][name] = {
+            "description": DESCRIPTIONS[name],
+            **steady,
+            "fresh_process": {"engine": fresh_engine, "eager": fresh_eager},
+            "first_call_fresh_process_s": fresh_engine["first_step_s"],
+            "eager_first_step_fresh_process_s": fresh_eager["first_step_s"],
+            "peak_rss_mb": {
+                "engine": fresh_engine["peak_rss_mb"],
+                "eager": fresh_eager["peak_rss_mb"],
+            },
+        }
+    report["main_process_peak_rss_mb"] = _peak_rss_mb()
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    _print_table(report)
+    print(f"\nwritten to {args.output}")
+    return 0
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    env = report["environment"]
+    print(
+        f"torch {env['torch']}, onnxruntime {env['onnxruntime']}, {env['torch_threads']} threads, "
+        f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}, "
+        f"median of {env['steps']} after {env['warmup']} warm-up"
+    )
+    header = (
+        f"{'model':<12} {'eager ms':>9} {'engine ms':>10} {'ratio':>6} {'1st call fresh s':>17} "
+        f"{'(eager 1st s)':>13} {'2nd model 1st s':>16} {'peak RSS eager/engine MB':>25}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, m in report["models"].items():
+        rss = m["peak_rss_mb"]
+        cells = [
+            f"{name:<12}",
+            f"{m['eager_step_ms']:>9.2f}",
+            f"{m['engine_step_ms']:>10.2f}",
+            f"{m['ratio_engine_over_eager']:>6.2f}",
+            f"{m['first_call_fresh_process_s']:>17.3f}",
+            f"{m['eager_first_step_fresh_process_s']:>13.3f}",
+            f"{m['second_model_first_call_in_process_s']:>16.3f}",
+            f"{rss['eager']:>12.0f} / {rss['engine']:<10.0f}",
+        ]
+        print(" ".join(cells))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -102,6 +102,7 @@ class ModuleEngine:
         self._lock = threading.Lock()
         self.records: list[BuildRecord] = []
         self._pending_reason = "first call"
+        self._trusted: dict[tuple[bool, bool], _Entry] = {}
         self.settings = session.SessionSettings(self.options.threads, self.options.spinning)
 
     # -- introspection -------------------------------------------------------------------
@@ -117,6 +118,11 @@ class ModuleEngine:
     def evictions(self) -> int:
         return self._cache.evictions
 
+    @property
+    def submodules(self) -> list[torch.nn.Module]:
+        """Every module of the tree as of the last structural check, the root first."""
+        return self._state.modules
+
     def invalidate(self, reason: str = "marked stale") -> None:
         """Forget every graph; the next call re-exports."""
         module = self._module()
@@ -124,40 +130,72 @@ class ModuleEngine:
             if module is not None:
                 self._state = ModuleState(module)
             self._cache.clear()
+            self._trusted.clear()
             self._pending_reason = reason
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(args, kwargs)
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], extra_key: Hashable = ()) -> Any:
+    def note_build_reason(self, reason: str) -> None:
+        """Say why the next build (if the next call misses) happens, for reports."""
+        self._pending_reason = reason
+
+    def run(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        guard: Callable[[], Hashable] | None = None,
+        *,
+        trust_last: bool = False,
+        check_devices: bool = True,
+    ) -> Any:
+        """Run one call. `guard()` joins the cache key: the caller's view of state the graph
+        baked in (it is asked again after a build, since the build may teach it more).
+
+        `trust_last` reuses the graph last used in the same grad/train mode without checking
+        structure, guards or signature (SKIP_CHECK_BUILD_GRADIENT): faster, and stale when the
+        module or the inputs changed in a way the graph cannot absorb.
+        """
         module = self._module()
         if module is None:  # pragma: no cover - the caller holds the module
             raise ReferenceError("the module was garbage collected")
+        mode = (torch.is_grad_enabled(), module.training)
+        if trust_last:
+            trusted = self._trusted.get(mode)
+            if trusted is not None:
+                call = signature.flatten_call(self._cls, args, kwargs, check_devices)
+                return trusted.run(self._state, call)
         state = self._state
         if not state.unchanged():
             self.invalidate("module structure changed")
             state = self._state
-        call = signature.flatten_call(self._cls, args, kwargs)
+        call = signature.flatten_call(self._cls, args, kwargs, check_devices)
         grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in call.tensors) or any(p.requires_grad for p in state.params)
         )
-        key: Hashable = (
+        base: Hashable = (
             grad,
             state.training_flags(),
             state.requires_grad_flags() if grad else (),
             call.signature,
-            extra_key,
         )
-        static = self._static_shapes
-        if static:
-            key = (key, call.shapes())
+        key = self._key(base, guard, call)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._cache.get_or_build(key, lambda: self._build(module, state, call, grad))
-            if not static and self._static_shapes:
-                self._cache.rekey(key, (key, call.shapes()))
+            # The build may have switched to static shapes or taught the guard new attributes.
+            settled = self._key(base, guard, call)
+            if settled != key:
+                self._cache.rekey(key, settled)
+        self._trusted[mode] = entry
         return entry.run(state, call)
+
+    def _key(
+        self, base: Hashable, guard: Callable[[], Hashable] | None, call: signature.FlatCall
+    ) -> Hashable:
+        key = (base, guard() if guard is not None else ())
+        return (key, call.shapes()) if self._static_shapes else key
 
     # -- building ------------------------------------------------------------------------
     def _build(

@@ -51,14 +51,17 @@ def _tensor_sig(t: torch.Tensor) -> TensorSig:
     return (t.dtype, t.dim(), t.device, t.requires_grad)
 
 
-def flatten_call(cls: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatCall:
+def flatten_call(
+    cls: str, args: tuple[Any, ...], kwargs: dict[str, Any], check_devices: bool = True
+) -> FlatCall:
     """Split a call into its tensors and a hashable signature (structure, dtypes, ranks,
     devices, requires_grad and the values of non-tensor leaves)."""
     if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
         # The common case, without pytree's cost.
         tensors = list(args)
         sig: Hashable = (len(args), tuple(_tensor_sig(t) for t in tensors))
-        _check_devices(cls, tensors)
+        if check_devices:
+            _check_devices(cls, tensors)
         return FlatCall(tensors, sig, None, args, kwargs)
     register_dataclasses((args, kwargs))
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -78,7 +81,8 @@ def flatten_call(cls: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
                 "tensor nor bake in as a constant",
                 "Pass tensors, Python numbers, strings or None (containers of them are fine)",
             )
-    _check_devices(cls, tensors)
+    if check_devices:
+        _check_devices(cls, tensors)
     return FlatCall(tensors, (spec, tuple(parts)), None, args, kwargs)
 
 

@@ -1,3 +1,129 @@
-"""ort_autopatch: train selected torch.nn.Module classes through ONNX Runtime, unchanged scripts."""
+"""ort_autopatch: train selected torch.nn.Module classes through ONNX Runtime, unchanged scripts.
+
+    import ort_autopatch
+    ort_autopatch.install()          # reads ORT_AUTOPATCH_* (see DESIGN.md)
+    ort_autopatch.patch(MyNet)       # or patch one class by hand
+
+Importing this package imports neither torch nor onnxruntime; `install()` imports torch only
+when a selected class needs patching, and onnxruntime only at the first patched call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ort_autopatch.config import Config, load_config
+from ort_autopatch.errors import ConfigError, OrtAutopatchError
+
+if TYPE_CHECKING:
+    from ort_autopatch.hook import ImportHook
 
 __version__ = "0.1.0"
+__all__ = [
+    "Config",
+    "ConfigError",
+    "OrtAutopatchError",
+    "install",
+    "is_patched",
+    "load_config",
+    "mark_stale",
+    "patch",
+    "uninstall",
+    "unpatch",
+]
+
+_log = logging.getLogger("ort_autopatch")
+_lock = threading.Lock()
+_hook: ImportHook | None = None
+
+
+def install(config: Config | None = None) -> bool:
+    """Patch the configured classes now and as they appear; False if already installed or
+    disabled (`ORT_AUTOPATCH_ENABLED=0` installs nothing, not even a finder)."""
+    global _hook
+    config = config or load_config()
+    with _lock:
+        if _hook is not None:
+            _log.debug("ort_autopatch is already installed")
+            return False
+        if not config.enabled:
+            return False
+        logging.getLogger("ort_autopatch").setLevel(config.log_level)
+        from ort_autopatch.hook import ImportHook, Selector
+
+        _configure_patcher_lazily(config)
+        hook = ImportHook(Selector(config.modules, config.exclude), _patch_found_class)
+        hook.install()
+        _hook = hook
+        return True
+
+
+def uninstall() -> None:
+    """Remove the finder and the class-creation hook and restore every patched class."""
+    global _hook
+    with _lock:
+        if _hook is not None:
+            _hook.uninstall()
+            _hook = None
+    import sys
+
+    patcher = sys.modules.get("ort_autopatch.patcher")
+    if patcher is not None:
+        patcher.unpatch_all()
+
+
+def patch(cls: type) -> bool:
+    """Patch one torch.nn.Module subclass in place; False if it already was."""
+    from ort_autopatch import patcher
+
+    return patcher.patch(cls)
+
+
+def unpatch(cls: type) -> bool:
+    from ort_autopatch import patcher
+
+    return patcher.unpatch(cls)
+
+
+def is_patched(cls: type) -> bool:
+    from ort_autopatch import patcher
+
+    return patcher.is_patched(cls)
+
+
+def mark_stale(module: Any) -> None:
+    """Forget `module`'s graphs, for writes no mechanism can see."""
+    from ort_autopatch import patcher
+
+    patcher.mark_stale(module)
+
+
+_pending_config: Config | None = None
+
+
+def _configure_patcher_lazily(config: Config) -> None:
+    # The patcher imports torch; it is configured when the first class is patched.
+    global _pending_config
+    _pending_config = config
+
+
+def _patch_found_class(cls: type) -> None:
+    from ort_autopatch import patcher
+    from ort_autopatch.engine import EngineOptions
+
+    global _pending_config
+    if _pending_config is not None:
+        config = _pending_config
+        patcher.configure(
+            patcher.Settings(
+                skip_check=config.skip_check,
+                fallback=config.fallback,
+                engine=EngineOptions(
+                    opset=config.opset, threads=config.threads, cache_size=config.cache_size
+                ),
+            )
+        )
+        _pending_config = None
+    patcher.patch(cls)

@@ -1,0 +1,5 @@
+"""`import ort_autopatch.auto` activates from the environment (ORT_AUTOPATCH_*)."""
+
+from ort_autopatch import install
+
+install()

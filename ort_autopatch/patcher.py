@@ -1,0 +1,426 @@
+"""Patching a selected class in place: its `__call__` goes through ONNX Runtime, its
+`__setattr__` notices writes. The only module that changes classes.
+
+No wrapper object exists, so attributes, custom methods calling `self(...)`, `state_dict`,
+`isinstance`, pickling and `deepcopy` are those of the unpatched class. Per-instance state lives
+in a WeakKeyDictionary, never in the instance's `__dict__`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ort_autopatch import report
+from ort_autopatch.engine import (
+    EngineError,
+    EngineOptions,
+    FailureKind,
+    ModuleEngine,
+    is_exporting,
+)
+from ort_autopatch.hook import PATCHED_MARKER
+from ort_autopatch.policy import (
+    DEFAULT_FALLBACK,
+    DEFAULT_SKIP_CHECK,
+    Fallback,
+    SkipCheck,
+    falls_back,
+    skips,
+)
+
+log = logging.getLogger("ort_autopatch")
+
+_WRAPPER = "__ort_autopatch_wrapper__"
+_RECORDER = "__ort_autopatch_recorder__"
+_FALLBACK_FOR_KIND = {
+    FailureKind.UNSUPPORTED_DEVICE: Fallback.FALLBACK_UNSUPPORTED_DEVICE,
+    FailureKind.UNSUPPORTED_DATA: Fallback.FALLBACK_UNSUPPORTED_DATA,
+    FailureKind.UNSUPPORTED_TORCH_MODEL: Fallback.FALLBACK_UNSUPPORTED_TORCH_MODEL,
+    FailureKind.UNSUPPORTED_ONNX_MODEL: Fallback.FALLBACK_UNSUPPORTED_ONNX_MODEL,
+    FailureKind.BAD_INITIALIZATION: Fallback.FALLBACK_BAD_INITIALIZATION,
+    FailureKind.RUNTIME: Fallback.FALLBACK_UNSUPPORTED_ONNX_MODEL,
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What patched calls need from the configuration."""
+
+    skip_check: SkipCheck = DEFAULT_SKIP_CHECK
+    fallback: Fallback = DEFAULT_FALLBACK
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+
+_settings = Settings()
+_originals: dict[type, tuple[Any, Any]] = {}  # cls -> (own __call__, own __setattr__) or None
+_instances: weakref.WeakKeyDictionary[torch.nn.Module, _Instance] = weakref.WeakKeyDictionary()
+_warned: set[tuple[str, str]] = set()
+_lock = threading.RLock()
+_MISSING = object()
+
+
+def configure(settings: Settings) -> None:
+    """Settings for calls from now on (engines already built keep their options)."""
+    global _settings
+    _settings = settings
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+# -- patching -----------------------------------------------------------------------------------
+
+
+def is_patched(cls: type) -> bool:
+    return cls in _originals
+
+
+def patch(cls: type) -> bool:
+    """Patch `cls` in place; False if it already was. Subclasses inherit the patch."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise TypeError(f"{cls!r} is not a torch.nn.Module subclass; only modules can be patched")
+    if cls.__dict__.get(_RECORDER):
+        return False  # our own export-time subclass, caught by the class-creation hook
+    with _lock:
+        if cls in _originals:
+            log.debug("%s is already patched", class_name(cls))
+            return False
+        _originals[cls] = (
+            cls.__dict__.get("__call__", _MISSING),
+            cls.__dict__.get("__setattr__", _MISSING),
+        )
+        eager_call = _eager_call_of(cls)
+        eager_setattr = cls.__setattr__
+
+        def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _dispatch(self, eager_call, args, kwargs)
+
+        def __setattr__(self: torch.nn.Module, name: str, value: Any) -> None:
+            eager_setattr(self, name, value)
+            instance = _instances.get(self)
+            if instance is not None:
+                instance.written(self, name)
+
+        for fn in (__call__, __setattr__):
+            setattr(fn, _WRAPPER, True)
+            fn.__qualname__ = f"{cls.__qualname__}.{fn.__name__}"
+        cls.__call__ = __call__  # type: ignore[method-assign]
+        cls.__setattr__ = __setattr__  # type: ignore[method-assign]
+        setattr(cls, PATCHED_MARKER, True)
+        report.stats_for(class_name(cls))
+        log.debug("patched %s", class_name(cls))
+        return True
+
+
+def unpatch(cls: type) -> bool:
+    """Restore `cls` exactly; False if it was not patched."""
+    with _lock:
+        originals = _originals.pop(cls, None)
+        if originals is None:
+            return False
+        for name, original in zip(("__call__", "__setattr__"), originals, strict=True):
+            if original is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        delattr(cls, PATCHED_MARKER)
+        return True
+
+
+def unpatch_all() -> None:
+    for cls in list(_originals):
+        unpatch(cls)
+
+
+def _eager_call_of(cls: type) -> Callable[..., Any]:
+    """The `__call__` the class would have without us (skipping our wrappers up the MRO)."""
+    for klass in cls.__mro__:
+        candidate = klass.__dict__.get("__call__")
+        if candidate is not None and not getattr(candidate, _WRAPPER, False):
+            return candidate
+    return torch.nn.Module.__call__
+
+
+def mark_stale(module: torch.nn.Module) -> None:
+    """Forget the graphs of `module`: for writes no mechanism can see."""
+    instance = _instances.get(module)
+    if instance is not None and instance.engine is not None:
+        instance.engine.invalidate("marked stale")
+
+
+# -- calls --------------------------------------------------------------------------------------
+
+
+def _step_aside() -> bool:
+    """Inside someone else's tracer or compiler the original code must run."""
+    return (
+        is_exporting()
+        or torch.jit.is_tracing()
+        or torch.compiler.is_compiling()
+        or torch.onnx.is_in_onnx_export()
+    )
+
+
+def _dispatch(
+    module: torch.nn.Module,
+    eager: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    if _step_aside():
+        return eager(module, *args, **kwargs)
+    instance = _instances.get(module)
+    if instance is None:
+        instance = _new_instance(module)
+    return instance.call(module, eager, args, kwargs)
+
+
+def _new_instance(module: torch.nn.Module) -> _Instance:
+    with _lock:
+        instance = _instances.get(module)
+        if instance is None:
+            instance = _Instance(type(module))
+            _instances[module] = instance
+            instance.stats.instances += 1
+    return instance
+
+
+_RECORDING = threading.local()
+
+
+class _Instance:
+    """Per-instance state: the engine, the attributes forward read, the counters."""
+
+    def __init__(self, cls: type) -> None:
+        self.name = class_name(cls)
+        self.stats = report.stats_for(self.name)
+        self.engine: ModuleEngine | None = None
+        # (owner's __dict__, attribute name, owner label) for every attribute forward read
+        self.guards: list[tuple[dict[str, Any], str, str]] = []
+        self._guard_set: set[tuple[int, str]] = set()
+        self._builds_seen = 0
+
+    # the call --------------------------------------------------------------------------------
+    def call(
+        self,
+        module: torch.nn.Module,
+        eager: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        settings = _settings
+        if self.engine is None:
+            self.engine = ModuleEngine(module, settings.engine, forward=self._recording_forward)
+        engine = self.engine
+        reason = _needs_eager(module, engine)
+        if reason is not None:
+            self.stats.eager_calls[reason] += 1
+            return eager(module, *args, **kwargs)
+        hooked = bool(module._forward_pre_hooks or module._forward_hooks)
+        if hooked:
+            args, kwargs = _run_pre_hooks(module, args, kwargs)
+        try:
+            output = engine.run(
+                args,
+                kwargs,
+                self.guard_key,
+                trust_last=skips(settings.skip_check, SkipCheck.SKIP_CHECK_BUILD_GRADIENT),
+                check_devices=not skips(settings.skip_check, SkipCheck.SKIP_CHECK_DEVICE),
+            )
+        except EngineError as exc:
+            self._account_builds(engine)
+            if not falls_back(settings.fallback, _FALLBACK_FOR_KIND[exc.kind]):
+                raise
+            self._fallback(exc)
+            output = (
+                eager(module, *args, **kwargs)
+                if not hooked
+                else _eager_forward(module, args, kwargs)
+            )
+        else:
+            self._account_builds(engine)
+            self.stats.ort_calls += 1
+        if hooked:
+            output = _run_post_hooks(module, args, kwargs, output)
+        return output
+
+    def _fallback(self, exc: EngineError) -> None:
+        self.stats.fallbacks[(exc.reason, exc.cause)] += 1
+        self.stats.eager_calls[f"fallback: {exc.reason}"] += 1
+        key = (self.name, exc.reason)
+        if key not in _warned:
+            _warned.add(key)
+            log.warning(
+                "%s runs in PyTorch (%s): %s. %s", self.name, exc.reason, exc.cause, exc.remedy
+            )
+
+    def _account_builds(self, engine: ModuleEngine) -> None:
+        records = engine.records
+        if len(records) != self._builds_seen:
+            for record in records[self._builds_seen :]:
+                self.stats.exports += 1
+                self.stats.export_seconds += record.export_seconds
+                if record.reason != "first call":
+                    self.stats.rebuilds[record.reason] += 1
+            self._builds_seen = len(records)
+
+    # guards ----------------------------------------------------------------------------------
+    def guard_key(self) -> Hashable:
+        """Current values of every attribute an export read: a changed one selects (or builds)
+        another graph, and a value toggled back finds its old graph again."""
+        if not self.guards:
+            return ()
+        return tuple(_hashable(owner.get(name, _MISSING)) for owner, name, _ in self.guards)
+
+    def written(self, module: torch.nn.Module, name: str) -> None:
+        """A write on the patched instance itself (deeper writes are caught by the guards and
+        the engine's structure check on the next call)."""
+        engine = self.engine
+        if engine is None or name == "training":
+            return
+        if name in module._parameters or name in module._buffers or name in module._modules:
+            engine.note_build_reason(f"{name} replaced")
+        elif (id(module.__dict__), name) in self._guard_set:
+            engine.note_build_reason(f"attribute {name} written")
+        else:
+            self.stats.ignored_writes += 1
+
+    def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """What the engine exports: forward, recording which plain attributes it reads."""
+        reads: list[tuple[torch.nn.Module, str]] = []
+        with _recording_reads(module, reads):
+            output = module.forward(*args, **kwargs)
+        for owner, name in reads:
+            key = (id(owner.__dict__), name)
+            if key not in self._guard_set:
+                self._guard_set.add(key)
+                self.guards.append((owner.__dict__, name, type(owner).__qualname__))
+        return output
+
+
+def _hashable(value: Any) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+# -- recording attribute reads during export -----------------------------------------------------
+
+_recorder_classes: dict[type, type] = {}
+
+
+def _recorder_class(cls: type) -> type:
+    """A subclass of `cls` whose attribute reads of plain instance attributes are recorded."""
+    recorder = _recorder_classes.get(cls)
+    if recorder is None:
+
+        def __getattribute__(self: Any, name: str) -> Any:
+            value = object.__getattribute__(self, name)
+            sink = getattr(_RECORDING, "reads", None)
+            if sink is not None and not name.startswith("_"):
+                if name in object.__getattribute__(self, "__dict__"):
+                    sink.append((self, name))
+            return value
+
+        namespace = {
+            "__getattribute__": __getattribute__,
+            "__qualname__": cls.__qualname__,
+            "__module__": cls.__module__,
+            _RECORDER: True,
+        }
+        recorder = type(cls.__name__, (cls,), namespace)
+        _recorder_classes[cls] = recorder
+    return recorder
+
+
+@contextlib.contextmanager
+def _recording_reads(
+    root: torch.nn.Module, reads: list[tuple[torch.nn.Module, str]]
+) -> Iterator[None]:
+    """Swap every module of the tree to a recording subclass for the duration of the trace."""
+    swapped: list[tuple[torch.nn.Module, type]] = []
+    previous = getattr(_RECORDING, "reads", None)
+    try:
+        for module in root.modules():
+            cls = type(module)
+            try:
+                # object.__setattr__: a patched __setattr__ must not count this as a write
+                object.__setattr__(module, "__class__", _recorder_class(cls))
+            except TypeError:
+                continue  # incompatible layout (slots): its reads stay unguarded
+            swapped.append((module, cls))
+        _RECORDING.reads = reads
+        yield
+    finally:
+        _RECORDING.reads = previous
+        for module, cls in swapped:
+            object.__setattr__(module, "__class__", cls)
+
+
+# -- hooks --------------------------------------------------------------------------------------
+
+
+def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
+    """Why this call cannot go to ORT at all, or None."""
+    from torch.nn.modules import module as module_mod
+
+    if (
+        module_mod._global_forward_hooks
+        or module_mod._global_forward_pre_hooks
+        or module_mod._global_backward_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    ):
+        return "backward or global hooks"
+    for sub in engine.submodules[1:]:
+        if (
+            sub._forward_hooks
+            or sub._forward_pre_hooks
+            or sub._backward_hooks
+            or sub._backward_pre_hooks
+        ):
+            return "hooks on submodules"
+    return None
+
+
+def _run_pre_hooks(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def _run_post_hooks(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Any:
+    for hook_id, hook in list(module._forward_hooks.items()):
+        if hook_id in module._forward_hooks_with_kwargs:
+            result = hook(module, args, kwargs, output)
+        else:
+            result = hook(module, args, output)
+        if result is not None:
+            output = result
+    return output
+
+
+def _eager_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return module.forward(*args, **kwargs)

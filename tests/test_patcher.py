@@ -1,0 +1,302 @@
+"""The patched class: zero code changes, guards, fallbacks, hooks and stepping aside."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch import patcher, report
+from ort_autopatch.engine import UnsupportedInputError
+from ort_autopatch.policy import Fallback, SkipCheck
+
+
+class UserDefinedMethodsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.drop = nn.Dropout(0.0)
+        self.scale = 2.0
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x)) * self.scale
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return nn.functional.cross_entropy(self(x), y)
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+class TakesAnything(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, extra: object = None) -> torch.Tensor:
+        return self.fc(x)
+
+
+@pytest.fixture(autouse=True)
+def _patched() -> Iterator[None]:
+    report.reset()
+    patcher.configure(patcher.Settings())
+    for cls in (UserDefinedMethodsNet, Inner, Outer, TakesAnything):
+        patcher.patch(cls)
+    yield
+    patcher.unpatch_all()
+    patcher.configure(patcher.Settings())
+
+
+def _stats(cls: type) -> report.ClassStats:
+    return report.stats_for(patcher.class_name(cls))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def _eager_twin(model: nn.Module) -> nn.Module:
+    twin = copy.deepcopy(model)
+    return twin
+
+
+def _eager(model: nn.Module, *args: object) -> torch.Tensor:
+    return model.forward(*args)  # type: ignore[no-any-return]
+
+
+def test_training_step_calling_self_trains_through_ort() -> None:
+    torch.manual_seed(0)
+    model = UserDefinedMethodsNet()
+    twin = _eager_twin(model)
+    x, y = _data()
+    model.training_step(x, y).backward()
+    nn.functional.cross_entropy(_eager(twin, x), y).backward()
+    torch.testing.assert_close(model.fc.weight.grad, twin.fc.weight.grad)
+    assert _stats(UserDefinedMethodsNet).ort_calls == 1
+    assert model.step == 1
+
+
+def test_state_dict_pickle_deepcopy_repr_and_isinstance_are_unchanged() -> None:
+    model = UserDefinedMethodsNet()
+    model(_data()[0])
+    clone = pickle.loads(pickle.dumps(model))
+    assert type(clone) is UserDefinedMethodsNet and isinstance(model, UserDefinedMethodsNet)
+    assert list(clone.state_dict()) == list(model.state_dict())
+    assert repr(copy.deepcopy(model)) == repr(model)
+    assert "_ort" not in "".join(vars(model))
+
+
+def test_unpatch_restores_the_class_exactly() -> None:
+    assert patcher.unpatch(UserDefinedMethodsNet)
+    assert "__call__" not in UserDefinedMethodsNet.__dict__
+    assert "__setattr__" not in UserDefinedMethodsNet.__dict__
+    assert not patcher.is_patched(UserDefinedMethodsNet)
+
+
+def test_writing_an_attribute_forward_reads_rebuilds_and_a_toggle_back_reuses() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    model.scale = 3.0
+    torch.testing.assert_close(model(x), _eager(model, x))
+    model.scale = 2.0
+    torch.testing.assert_close(model(x), _eager(model, x))
+    stats = _stats(UserDefinedMethodsNet)
+    assert stats.exports == 2
+    assert stats.rebuilds["attribute scale written"] == 1
+
+
+def test_writing_an_attribute_forward_never_reads_does_not_rebuild() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    for _ in range(3):
+        model.step += 1
+        model(x)
+    stats = _stats(UserDefinedMethodsNet)
+    assert stats.exports == 1
+    assert stats.ignored_writes == 3
+
+
+def test_a_write_deep_in_the_tree_is_seen() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    model.drop.p = 1.0  # drops everything: the old graph would not
+    assert torch.count_nonzero(model(x)) == 0
+
+
+def test_a_replaced_submodule_is_seen() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    model.fc = nn.Linear(4, 3)
+    torch.testing.assert_close(model(x), _eager(model, x))
+
+
+def test_mark_stale_forces_a_new_export() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    patcher.mark_stale(model)
+    model(x)
+    assert _stats(UserDefinedMethodsNet).exports == 2
+
+
+def test_nested_selected_modules_export_once_from_the_outside() -> None:
+    model = Outer()
+    x, _ = _data()
+    torch.testing.assert_close(model(x), model.head(torch.tanh(model.inner.fc(x))))
+    assert _stats(Outer).ort_calls == 1
+    assert _stats(Inner).ort_calls == 0
+
+
+def test_an_inner_selected_module_called_alone_uses_its_own_graph() -> None:
+    model = Outer()
+    x, _ = _data()
+    model.inner(x)
+    assert _stats(Inner).ort_calls == 1
+
+
+def test_the_patched_call_steps_aside_under_jit_trace() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    assert _stats(UserDefinedMethodsNet).ort_calls == 0
+    assert "aten::linear" in str(traced.inlined_graph)
+    torch.testing.assert_close(traced(x), _eager(model, x))
+
+
+def test_unsupported_input_falls_back_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = TakesAnything()
+    x, _ = _data()
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        for _ in range(3):
+            torch.testing.assert_close(model(x, object()), _eager(model, x))
+    warnings = [r for r in caplog.records if "runs in PyTorch" in r.getMessage()]
+    assert len(warnings) == 1
+    stats = _stats(TakesAnything)
+    assert sum(stats.fallbacks.values()) == 3 and stats.ort_calls == 0
+
+
+def test_fallback_disable_raises_the_typed_error() -> None:
+    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+    with pytest.raises(UnsupportedInputError, match="extra"):
+        TakesAnything()(_data()[0], extra=object())
+
+
+def test_a_fallback_belongs_to_one_call_signature() -> None:
+    model = TakesAnything()
+    x, _ = _data()
+    model(x, object())
+    model(x)
+    assert _stats(TakesAnything).ort_calls == 1
+
+
+def test_forward_hooks_on_the_patched_module_run_as_in_eager() -> None:
+    model = UserDefinedMethodsNet()
+    seen: list[torch.Tensor] = []
+    model.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model.register_forward_hook(lambda m, args, out: seen.append(out) or out + 1)
+    x, _ = _data()
+    out = model(x)
+    torch.testing.assert_close(out, _eager(model, x * 2) + 1)
+    assert len(seen) == 1 and _stats(UserDefinedMethodsNet).ort_calls == 1
+
+
+def test_hooks_on_submodules_run_eagerly_instead_of_being_skipped() -> None:
+    model = UserDefinedMethodsNet()
+    calls: list[int] = []
+    model.fc.register_forward_hook(lambda m, a, o: calls.append(1))
+    model(_data()[0])
+    assert calls == [1]
+    assert _stats(UserDefinedMethodsNet).eager_calls["hooks on submodules"] == 1
+
+
+def test_skip_check_build_gradient_trades_stale_detection_for_speed() -> None:
+    patcher.configure(patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_BUILD_GRADIENT))
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    before = model(x)
+    model.scale = 5.0
+    torch.testing.assert_close(model(x), before)  # the documented trade: the graph is reused
+    assert _stats(UserDefinedMethodsNet).exports == 1
+
+
+def _run(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(code))
+    root = Path(__file__).resolve().parent.parent
+    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), **env}
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
+    )
+
+
+def test_disabled_installs_no_finder(tmp_path: Path) -> None:
+    result = _run(
+        """
+        import sys
+        before = list(sys.meta_path)
+        import ort_autopatch.auto
+        print(sys.meta_path == before)
+        """,
+        tmp_path,
+        ORT_AUTOPATCH_ENABLED="0",
+        ORT_AUTOPATCH_MODULES="__main__:Net",
+    )
+    assert result.stdout.strip() == "True", result.stderr
+
+
+def test_a_class_defined_in_main_is_patched_when_created(tmp_path: Path) -> None:
+    result = _run(
+        """
+        import ort_autopatch.auto
+        import torch
+        from torch import nn
+        from ort_autopatch import report
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 2)
+            def forward(self, x):
+                return self.fc(x)
+
+        net = Net()
+        net(torch.randn(3, 4)).sum().backward()
+        print(report.snapshot()["__main__:Net"]["ort_calls"])
+        """,
+        tmp_path,
+        ORT_AUTOPATCH_MODULES="__main__:Net",
+    )
+    assert result.stdout.strip() == "1", result.stderr

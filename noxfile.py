@@ -48,3 +48,4 @@ def bench(session: nox.Session) -> None:
     """Benchmarks; results land in benchmarks/results/*.json."""
     _install(session, "psutil", TRANSFORMERS)
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
+    session.run("python", "benchmarks/bench_import_hook.py")

@@ -211,12 +211,28 @@ class ModuleEngine:
         device = next(iter(devices), torch.device("cpu"))
         reason, self._pending_reason = self._pending_reason, "new input signature"
         dynamic = not self._static_shapes
+
+        def finish(exported: export.ExportedGraph, model: Any) -> _Entry:
+            start = time.perf_counter()
+            entry = self._prepare(module, state, call, exported, model, grad, device)
+            record = BuildRecord(reason, exported.seconds, time.perf_counter() - start, grad)
+            self.records.append(record)
+            log.debug(
+                "%s: built %s graph (%s) in %.3fs export + %.3fs build",
+                self._cls,
+                "training" if grad else "inference",
+                reason,
+                record.export_seconds,
+                record.build_seconds,
+            )
+            return entry
+
         try:
             exported = self._export(module, call, dynamic=dynamic)
             model = _load(exported.model_bytes)
             if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
-            return self._finish(module, state, call, exported, model, grad, device, reason)
+            return finish(exported, model)
         except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
             if not dynamic:
                 raise
@@ -226,34 +242,9 @@ class ModuleEngine:
             log.debug("%s: building with static shapes (%s)", self._cls, type(exc).__name__)
             exported = self._export(module, call, dynamic=False)
             model = _load(exported.model_bytes)
-            entry = self._finish(module, state, call, exported, model, grad, device, reason)
+            entry = finish(exported, model)
             self._static_shapes = True
             return entry
-
-    def _finish(
-        self,
-        module: torch.nn.Module,
-        state: ModuleState,
-        call: signature.FlatCall,
-        exported: export.ExportedGraph,
-        model: Any,
-        grad: bool,
-        device: torch.device,
-        reason: str,
-    ) -> _Entry:
-        start = time.perf_counter()
-        entry = self._prepare(module, state, call, exported, model, grad, device)
-        record = BuildRecord(reason, exported.seconds, time.perf_counter() - start, grad)
-        self.records.append(record)
-        log.debug(
-            "%s: built %s graph (%s) in %.3fs export + %.3fs build",
-            self._cls,
-            "training" if grad else "inference",
-            reason,
-            record.export_seconds,
-            record.build_seconds,
-        )
-        return entry
 
     def _export(
         self, module: torch.nn.Module, call: signature.FlatCall, dynamic: bool

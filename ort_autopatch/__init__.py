@@ -26,23 +26,26 @@ __all__ = [
     "ConfigError",
     "OrtAutopatchError",
     "install",
+    "installed_config",
     "is_patched",
     "load_config",
     "mark_stale",
     "patch",
     "uninstall",
+    "unmatched_patterns",
     "unpatch",
 ]
 
 _log = logging.getLogger("ort_autopatch")
 _lock = threading.Lock()
 _hook: ImportHook | None = None
+_active_config: Config | None = None
 
 
 def install(config: Config | None = None) -> bool:
     """Patch the configured classes now and as they appear; False if already installed or
     disabled (`ORT_AUTOPATCH_ENABLED=0` installs nothing, not even a finder)."""
-    global _hook
+    global _hook, _active_config
     config = config or load_config()
     with _lock:
         if _hook is not None:
@@ -57,21 +60,34 @@ def install(config: Config | None = None) -> bool:
         hook = ImportHook(Selector(config.modules, config.exclude), _patch_found_class)
         hook.install()
         _hook = hook
+        _active_config = config
         return True
 
 
 def uninstall() -> None:
     """Remove the finder and the class-creation hook and restore every patched class."""
-    global _hook
+    global _hook, _active_config
     with _lock:
         if _hook is not None:
             _hook.uninstall()
             _hook = None
+            _active_config = None
     import sys
 
     patcher = sys.modules.get("ort_autopatch.patcher")
     if patcher is not None:
         patcher.unpatch_all()
+
+
+def unmatched_patterns() -> list[str]:
+    """Allowlist entries that have matched no class so far (for the exit report)."""
+    with _lock:
+        return _hook.selector.unmatched() if _hook is not None else []
+
+
+def installed_config() -> Config | None:
+    """The configuration `install()` activated, or None when not installed."""
+    return _active_config
 
 
 def patch(cls: type) -> bool:

@@ -9,8 +9,10 @@ in a WeakKeyDictionary, never in the instance's `__dict__`.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -166,6 +168,7 @@ def _step_aside() -> bool:
         is_exporting()
         or torch.jit.is_tracing()
         or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
         or torch.onnx.is_in_onnx_export()
     )
 
@@ -208,6 +211,7 @@ class _Instance:
         self.guards: list[tuple[dict[str, Any], str, str]] = []
         self._guard_set: set[tuple[int, str]] = set()
         self._builds_seen = 0
+        self._last_guard_key: tuple[Hashable, ...] = ()
 
     # the call --------------------------------------------------------------------------------
     def call(
@@ -236,9 +240,9 @@ class _Instance:
                 trust_last=skips(settings.skip_check, SkipCheck.SKIP_CHECK_BUILD_GRADIENT),
                 check_devices=not skips(settings.skip_check, SkipCheck.SKIP_CHECK_DEVICE),
             )
-        except EngineError as exc:
+        except Exception as exc:
             self._account_builds(engine)
-            if not falls_back(settings.fallback, _FALLBACK_FOR_KIND[exc.kind]):
+            if not _falls_back(settings.fallback, exc):
                 raise
             self._fallback(exc)
             output = (
@@ -253,15 +257,17 @@ class _Instance:
             output = _run_post_hooks(module, args, kwargs, output)
         return output
 
-    def _fallback(self, exc: EngineError) -> None:
-        self.stats.fallbacks[(exc.reason, exc.cause)] += 1
-        self.stats.eager_calls[f"fallback: {exc.reason}"] += 1
-        key = (self.name, exc.reason)
+    def _fallback(self, exc: Exception) -> None:
+        if isinstance(exc, EngineError):
+            reason, cause, remedy = exc.reason, exc.cause, exc.remedy
+        else:
+            reason, cause, remedy = "unexpected error", f"{type(exc).__name__}: {exc}", ""
+        self.stats.fallbacks[(reason, cause)] += 1
+        self.stats.eager_calls[f"fallback: {reason}"] += 1
+        key = (self.name, reason)
         if key not in _warned:
             _warned.add(key)
-            log.warning(
-                "%s runs in PyTorch (%s): %s. %s", self.name, exc.reason, exc.cause, exc.remedy
-            )
+            log.warning("%s runs in PyTorch (%s): %s. %s", self.name, reason, cause, remedy)
 
     def _account_builds(self, engine: ModuleEngine) -> None:
         records = engine.records
@@ -279,7 +285,17 @@ class _Instance:
         another graph, and a value toggled back finds its old graph again."""
         if not self.guards:
             return ()
-        return tuple(_hashable(owner.get(name, _MISSING)) for owner, name, _ in self.guards)
+        key = tuple(_hashable(owner.get(name, _MISSING)) for owner, name, _ in self.guards)
+        last = self._last_guard_key
+        if key != last and self.engine is not None and len(last) == len(key):
+            changed = [
+                f"{label}.{name}"
+                for (_, name, label), old, new in zip(self.guards, last, key, strict=True)
+                if old != new
+            ]
+            self.engine.note_build_reason(f"attribute {', '.join(changed)} written")
+        self._last_guard_key = key
+        return key
 
     def written(self, module: torch.nn.Module, name: str) -> None:
         """A write on the patched instance itself (deeper writes are caught by the guards and
@@ -289,14 +305,12 @@ class _Instance:
             return
         if name in module._parameters or name in module._buffers or name in module._modules:
             engine.note_build_reason(f"{name} replaced")
-        elif (id(module.__dict__), name) in self._guard_set:
-            engine.note_build_reason(f"attribute {name} written")
-        else:
+        elif (id(module.__dict__), name) not in self._guard_set:
             self.stats.ignored_writes += 1
 
     def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """What the engine exports: forward, recording which plain attributes it reads."""
-        reads: list[tuple[torch.nn.Module, str]] = []
+        reads: list[tuple[Any, str]] = []
         with _recording_reads(module, reads):
             output = module.forward(*args, **kwargs)
         for owner, name in reads:
@@ -305,6 +319,17 @@ class _Instance:
                 self._guard_set.add(key)
                 self.guards.append((owner.__dict__, name, type(owner).__qualname__))
         return output
+
+
+def _falls_back(policy: Fallback, exc: Exception) -> bool:
+    """ORTModule's rule: each UNSUPPORTED_*/BAD_INITIALIZATION flag covers its kind of engine
+    failure; FORCE_TORCH_FORWARD/BACKWARD cover every failure, unexpected ones included."""
+    if any(
+        falls_back(policy, flag)
+        for flag in (Fallback.FALLBACK_FORCE_TORCH_FORWARD, Fallback.FALLBACK_FORCE_TORCH_BACKWARD)
+    ):
+        return True
+    return isinstance(exc, EngineError) and falls_back(policy, _FALLBACK_FOR_KIND[exc.kind])
 
 
 def _hashable(value: Any) -> Hashable:
@@ -318,19 +343,70 @@ def _hashable(value: Any) -> Hashable:
 # -- recording attribute reads during export -----------------------------------------------------
 
 _recorder_classes: dict[type, type] = {}
+_MAX_RECORDED_OBJECTS = 10_000
+_NOT_RECORDED = (
+    torch.nn.Module,
+    torch.Tensor,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    enum.Enum,
+)
+
+
+class _Recording:
+    """One export's reads: (owner, attribute) pairs, and the objects whose class was swapped."""
+
+    def __init__(self, reads: list[tuple[Any, str]]) -> None:
+        self.reads = reads
+        self.swapped: list[tuple[Any, type]] = []
+        self.seen: set[int] = set()
+
+    def watch(self, obj: Any) -> None:
+        """Swap `obj` to a recording subclass until the export ends (if its layout allows)."""
+        if id(obj) in self.seen or len(self.seen) >= _MAX_RECORDED_OBJECTS:
+            return
+        self.seen.add(id(obj))
+        cls = type(obj)
+        try:
+            # object.__setattr__: a patched or custom __setattr__ must not see this
+            object.__setattr__(obj, "__class__", _recorder_class(cls))
+        except TypeError:
+            return  # slots or a builtin layout: its reads stay unguarded
+        self.swapped.append((obj, cls))
+
+    def restore(self) -> None:
+        for obj, cls in reversed(self.swapped):
+            object.__setattr__(obj, "__class__", cls)
+
+
+def _plain_object(value: Any) -> bool:
+    """Objects such as a transformers config, whose attributes forward may read."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, _NOT_RECORDED)
+        and type(value).__module__ != "builtins"
+    )
 
 
 def _recorder_class(cls: type) -> type:
-    """A subclass of `cls` whose attribute reads of plain instance attributes are recorded."""
+    """A subclass of `cls` whose reads of plain instance attributes are recorded."""
     recorder = _recorder_classes.get(cls)
     if recorder is None:
 
         def __getattribute__(self: Any, name: str) -> Any:
             value = object.__getattribute__(self, name)
-            sink = getattr(_RECORDING, "reads", None)
-            if sink is not None and not name.startswith("_"):
-                if name in object.__getattribute__(self, "__dict__"):
-                    sink.append((self, name))
+            recording: _Recording | None = getattr(_RECORDING, "current", None)
+            if (
+                recording is not None
+                and not name.startswith("_")
+                and name in object.__getattribute__(self, "__dict__")
+            ):
+                recording.reads.append((self, name))
+                if _plain_object(value):
+                    recording.watch(value)  # config.flag reads are guarded too
             return value
 
         namespace = {
@@ -345,27 +421,19 @@ def _recorder_class(cls: type) -> type:
 
 
 @contextlib.contextmanager
-def _recording_reads(
-    root: torch.nn.Module, reads: list[tuple[torch.nn.Module, str]]
-) -> Iterator[None]:
-    """Swap every module of the tree to a recording subclass for the duration of the trace."""
-    swapped: list[tuple[torch.nn.Module, type]] = []
-    previous = getattr(_RECORDING, "reads", None)
+def _recording_reads(root: torch.nn.Module, reads: list[tuple[Any, str]]) -> Iterator[None]:
+    """Swap every module of the tree (and plain objects forward reaches through their
+    attributes) to recording subclasses for the duration of the trace."""
+    recording = _Recording(reads)
+    previous = getattr(_RECORDING, "current", None)
     try:
         for module in root.modules():
-            cls = type(module)
-            try:
-                # object.__setattr__: a patched __setattr__ must not count this as a write
-                object.__setattr__(module, "__class__", _recorder_class(cls))
-            except TypeError:
-                continue  # incompatible layout (slots): its reads stay unguarded
-            swapped.append((module, cls))
-        _RECORDING.reads = reads
+            recording.watch(module)
+        _RECORDING.current = recording
         yield
     finally:
-        _RECORDING.reads = previous
-        for module, cls in swapped:
-            object.__setattr__(module, "__class__", cls)
+        _RECORDING.current = previous
+        recording.restore()
 
 
 # -- hooks --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher, report
-from ort_autopatch.engine import UnsupportedInputError
+from ort_autopatch.engine import EngineError, UnsupportedInputError
 from ort_autopatch.policy import Fallback, SkipCheck
 
 
@@ -64,11 +64,73 @@ class TakesAnything(nn.Module):
         return self.fc(x)
 
 
+class Settings:
+    def __init__(self) -> None:
+        self.double = False
+
+
+class ReadsConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.config = Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2 if self.config.double else y
+
+
+class EvalOnlyUnsupported(nn.Module):
+    """Exports in train mode; in eval mode it uses an op the ONNX exporter cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if self.training else torch.special.erfinv(torch.tanh(y) * 0.5)
+
+
+class NoGradient(nn.Module):
+    """Exports, but ORT has no gradient for Round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(self.fc(x)) * self.fc(x)
+
+
+class Float64Relu(nn.Module):
+    """ORT's CPU provider has no float64 ReluGrad kernel: the session cannot be created."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+PATCHED = (
+    UserDefinedMethodsNet,
+    Inner,
+    Outer,
+    TakesAnything,
+    ReadsConfig,
+    EvalOnlyUnsupported,
+    NoGradient,
+    Float64Relu,
+)
+
+
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
     report.reset()
     patcher.configure(patcher.Settings())
-    for cls in (UserDefinedMethodsNet, Inner, Outer, TakesAnything):
+    for cls in PATCHED:
         patcher.patch(cls)
     yield
     patcher.unpatch_all()
@@ -132,7 +194,7 @@ def test_writing_an_attribute_forward_reads_rebuilds_and_a_toggle_back_reuses() 
     torch.testing.assert_close(model(x), _eager(model, x))
     stats = _stats(UserDefinedMethodsNet)
     assert stats.exports == 2
-    assert stats.rebuilds["attribute scale written"] == 1
+    assert stats.rebuilds["attribute UserDefinedMethodsNet.scale written"] == 1
 
 
 def test_writing_an_attribute_forward_never_reads_does_not_rebuild() -> None:
@@ -300,3 +362,148 @@ def test_a_class_defined_in_main_is_patched_when_created(tmp_path: Path) -> None
         ORT_AUTOPATCH_MODULES="__main__:Net",
     )
     assert result.stdout.strip() == "1", result.stderr
+
+
+def test_a_flag_on_a_config_object_forward_reads_is_guarded() -> None:
+    model = ReadsConfig()
+    x, _ = _data()
+    model(x)
+    model.config.double = True
+    torch.testing.assert_close(model(x), 2 * model.fc(x))
+    assert type(model.config) is Settings  # the recording subclass never outlives the export
+    assert _stats(ReadsConfig).rebuilds["attribute Settings.double written"] == 1
+
+
+def test_a_replaced_parameter_is_fed_and_seen() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    model.fc.weight = nn.Parameter(torch.ones(3, 4))
+    torch.testing.assert_close(model(x), _eager(model, x))
+
+
+def test_freezing_a_parameter_rebuilds_without_its_gradient() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x).sum().backward()
+    model.zero_grad()
+    model.fc.weight.requires_grad_(False)
+    model(x).sum().backward()
+    assert model.fc.weight.grad is None and model.fc.bias.grad is not None
+    assert _stats(UserDefinedMethodsNet).exports == 2
+
+
+def test_a_write_to_the_patched_instance_after_init_is_not_a_structural_change() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    model.note = "free-form attributes stay usable"
+    assert model.note == "free-form attributes stay usable"
+    model(x)
+    assert _stats(UserDefinedMethodsNet).exports == 1
+
+
+def test_an_eval_mode_failure_does_not_send_training_to_pytorch() -> None:
+    model = EvalOnlyUnsupported()
+    x, _ = _data()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), _eager(model, x))
+    model.train()
+    model(x).sum().backward()
+    stats = _stats(EvalOnlyUnsupported)
+    assert stats.ort_calls == 1
+    assert stats.eager_calls["fallback: export failed"] == 1
+
+
+def test_a_failed_graph_is_not_retried_on_every_call() -> None:
+    model = EvalOnlyUnsupported().eval()
+    x, _ = _data()
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    assert sum(_stats(EvalOnlyUnsupported).fallbacks.values()) == 3
+    assert patcher._instances[model].engine is not None
+    assert len(patcher._instances[model].engine.records) == 0  # export never succeeded
+
+
+@pytest.mark.parametrize(
+    ("cls", "flag", "error"),
+    [
+        (TakesAnything, Fallback.FALLBACK_UNSUPPORTED_DATA, "unsupported input"),
+        (EvalOnlyUnsupported, Fallback.FALLBACK_UNSUPPORTED_TORCH_MODEL, "export failed"),
+        (NoGradient, Fallback.FALLBACK_UNSUPPORTED_ONNX_MODEL, "gradient build failed"),
+        (Float64Relu, Fallback.FALLBACK_BAD_INITIALIZATION, "session creation failed"),
+    ],
+)
+def test_each_fallback_flag_covers_its_kind_of_failure(
+    cls: type[nn.Module], flag: Fallback, error: str
+) -> None:
+    def call(model: nn.Module) -> torch.Tensor:
+        if cls is TakesAnything:
+            return model(_data()[0], object())  # type: ignore[no-any-return]
+        if cls is EvalOnlyUnsupported:
+            model.eval()
+        dtype = torch.float64 if cls is Float64Relu else torch.float32
+        return model(_data()[0].to(dtype))  # type: ignore[no-any-return]
+
+    patcher.configure(patcher.Settings(fallback=flag))
+    call(cls())
+    assert _stats(cls).eager_calls[f"fallback: {error}"] == 1
+    others = (
+        Fallback.FALLBACK_BAD_INITIALIZATION
+        if flag != Fallback.FALLBACK_BAD_INITIALIZATION
+        else Fallback.FALLBACK_UNSUPPORTED_DATA
+    )
+    patcher.configure(patcher.Settings(fallback=others))
+    with pytest.raises(EngineError) as raised:
+        call(cls())
+    assert raised.value.reason == error and raised.value.remedy
+
+
+def test_force_torch_forward_falls_back_on_unexpected_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ort_autopatch.engine import ModuleEngine
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("something nobody planned for")
+
+    monkeypatch.setattr(ModuleEngine, "run", broken)
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_UNSUPPORTED_DATA))
+    with pytest.raises(RuntimeError, match="nobody planned"):
+        model(x)
+    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_FORCE_TORCH_FORWARD))
+    torch.testing.assert_close(model(x), _eager(model, x))
+    assert _stats(UserDefinedMethodsNet).eager_calls["fallback: unexpected error"] == 1
+
+
+def test_skip_check_device_skips_only_the_device_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ort_autopatch.engine import ModuleEngine
+
+    seen: list[object] = []
+    run = ModuleEngine.run
+
+    def spy(self: ModuleEngine, *args: object, **kwargs: object) -> object:
+        seen.append((kwargs["check_devices"], kwargs["trust_last"]))
+        return run(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModuleEngine, "run", spy)
+    patcher.configure(patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_DEVICE))
+    UserDefinedMethodsNet()(_data()[0])
+    assert seen == [(False, False)]
+
+
+def test_skip_check_execution_agent_alone_keeps_every_check() -> None:
+    patcher.configure(patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_EXECUTION_AGENT))
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    model.scale = 4.0
+    torch.testing.assert_close(model(x), _eager(model, x))
+
+
+def test_the_default_skip_check_policy_checks_everything() -> None:
+    assert patcher.Settings().skip_check == SkipCheck.SKIP_CHECK_DISABLED

@@ -155,7 +155,13 @@ def export_call(
     buffer = io.BytesIO()
     start = time.perf_counter()
     try:
-        with preserved_state(module), _exporting(), torch.no_grad(), warnings.catch_warnings():
+        with (
+            preserved_state(module),
+            _exporting(),
+            _quiet_exporter(),
+            torch.no_grad(),
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 wrapper,
@@ -192,6 +198,30 @@ def export_call(
         state_names=state_names,
         seconds=time.perf_counter() - start,
     )
+
+
+_quiet_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Keep torch's ONNX log off during our exports, and as the user had it afterwards.
+
+    torch 2.13's `setup_onnx_logging` tests the function object instead of its result, so every
+    export switches ONNX logging on for good, and a failed export dumps the whole TorchScript
+    graph on stderr: noise in a training job's log for an export the user never asked for.
+    """
+    from torch.onnx._internal.torchscript_exporter import utils
+
+    was_enabled = torch._C._jit_is_onnx_log_enabled()
+    with _quiet_lock:
+        original = utils.setup_onnx_logging
+        utils.setup_onnx_logging = lambda verbose: contextlib.nullcontext()  # type: ignore[assignment,return-value]
+        try:
+            yield
+        finally:
+            utils.setup_onnx_logging = original
+            torch._C._jit_set_onnx_log_enabled(was_enabled)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -49,3 +49,4 @@ def bench(session: nox.Session) -> None:
     _install(session, "psutil", TRANSFORMERS)
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
     session.run("python", "benchmarks/bench_import_hook.py")
+    session.run("python", "benchmarks/bench_dispatch.py")

@@ -1,0 +1,112 @@
+"""Cost of the patched call's cache-hit path, and of having the tool installed at all.
+
+    python benchmarks/bench_dispatch.py
+
+The hit path is everything a patched call does besides running the graph: stepping-aside
+checks, hooks check, structure check, input signature, guard values, cache lookup, feed list.
+It is measured by timing calls whose graph run is replaced by a constant, side by side with
+the real MLP training step (forward + loss + backward + AdamW), with and without the skip-check
+flags. Results: benchmarks/results/dispatch.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ort_autopatch import patcher
+from ort_autopatch.engine import module_engine
+from ort_autopatch.policy import SkipCheck
+
+RESULTS = Path(__file__).resolve().parent / "results" / "dispatch.json"
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU())
+        self.head = nn.Linear(512, 10)
+        self.dropout_p = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+
+class NotSelected(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _median_us(fn: Any, repeat: int = 2000) -> float:
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        samples.append((time.perf_counter() - start) / repeat * 1e6)
+    return statistics.median(samples)
+
+
+def _step_ms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 60) -> float:
+    opt = torch.optim.AdamW(model.parameters())
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
+    eager_ms = _step_ms(MLP(), x, y)
+    patcher.patch(MLP)
+    ort_ms = _step_ms(MLP(), x, y)
+
+    results: dict[str, Any] = {
+        "mlp_step_eager_ms": round(eager_ms, 3),
+        "mlp_step_ort_ms": round(ort_ms, 3),
+        "not_selected_call_is_module_call": NotSelected.__call__ is nn.Module.__call__,
+    }
+    constant = torch.zeros(64, 10)
+    real_run = module_engine._Entry.run
+    for label, skip in (
+        ("all_checks", SkipCheck.SKIP_CHECK_DISABLED),
+        (
+            "skip_build_gradient_and_device",
+            SkipCheck.SKIP_CHECK_BUILD_GRADIENT | SkipCheck.SKIP_CHECK_DEVICE,
+        ),
+    ):
+        patcher.configure(patcher.Settings(skip_check=skip))
+        model = MLP()
+        model(x)  # build
+        module_engine._Entry.run = lambda self, state, call: constant  # type: ignore[method-assign]
+        try:
+            hit_us = _median_us(lambda model=model: model(x))
+        finally:
+            module_engine._Entry.run = real_run  # type: ignore[method-assign]
+        results[f"hit_path_us_{label}"] = round(hit_us, 2)
+        results[f"hit_path_share_of_eager_step_{label}"] = round(hit_us / (eager_ms * 1e3), 4)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    for key, value in results.items():
+        print(f"{key:48} {value}")
+    print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

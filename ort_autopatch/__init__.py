@@ -137,7 +137,11 @@ def _patch_found_class(cls: type) -> None:
                 skip_check=config.skip_check,
                 fallback=config.fallback,
                 engine=EngineOptions(
-                    opset=config.opset, threads=config.threads, cache_size=config.cache_size
+                    opset=config.opset,
+                    threads=config.threads,
+                    cache_size=config.cache_size,
+                    cache_dir=config.cache_dir,
+                    save_onnx=config.save_onnx,
                 ),
             )
         )

@@ -207,8 +207,9 @@ class _Instance:
         self.name = class_name(cls)
         self.stats = report.stats_for(self.name)
         self.engine: ModuleEngine | None = None
-        # (owner's __dict__, attribute name, owner label) for every attribute forward read
-        self.guards: list[tuple[dict[str, Any], str, str]] = []
+        # (owner's __dict__, attribute name, owner label, dotted path from the root) for every
+        # attribute forward read
+        self.guards: list[tuple[dict[str, Any], str, str, str]] = []
         self._guard_set: set[tuple[int, str]] = set()
         self._builds_seen = 0
         self._last_guard_key: tuple[Hashable, ...] = ()
@@ -223,7 +224,9 @@ class _Instance:
     ) -> Any:
         settings = _settings
         if self.engine is None:
-            self.engine = ModuleEngine(module, settings.engine, forward=self._recording_forward)
+            self.engine = ModuleEngine(
+                module, settings.engine, forward=self._recording_forward, guards=self
+            )
         engine = self.engine
         reason = _needs_eager(module, engine)
         if reason is not None:
@@ -236,7 +239,6 @@ class _Instance:
             output = engine.run(
                 args,
                 kwargs,
-                self.guard_key,
                 trust_last=skips(settings.skip_check, SkipCheck.SKIP_CHECK_BUILD_GRADIENT),
                 check_devices=not skips(settings.skip_check, SkipCheck.SKIP_CHECK_DEVICE),
             )
@@ -280,17 +282,17 @@ class _Instance:
             self._builds_seen = len(records)
 
     # guards ----------------------------------------------------------------------------------
-    def guard_key(self) -> Hashable:
+    def key(self) -> Hashable:
         """Current values of every attribute an export read: a changed one selects (or builds)
         another graph, and a value toggled back finds its old graph again."""
         if not self.guards:
             return ()
-        key = tuple(_hashable(owner.get(name, _MISSING)) for owner, name, _ in self.guards)
+        key = tuple(_hashable(owner.get(name, _MISSING)) for owner, name, _, _ in self.guards)
         last = self._last_guard_key
         if key != last and self.engine is not None and len(last) == len(key):
             changed = [
                 f"{label}.{name}"
-                for (_, name, label), old, new in zip(self.guards, last, key, strict=True)
+                for (_, name, label, _), old, new in zip(self.guards, last, key, strict=True)
                 if old != new
             ]
             self.engine.note_build_reason(f"attribute {', '.join(changed)} written")
@@ -308,16 +310,32 @@ class _Instance:
         elif (id(module.__dict__), name) not in self._guard_set:
             self.stats.ignored_writes += 1
 
+    def paths(self) -> list[str]:
+        return [path for _, _, _, path in self.guards]
+
+    def adopt(self, root: torch.nn.Module, paths: list[str]) -> None:
+        """Guard attributes named by path (a graph loaded from disk was not exported here)."""
+        for path in paths:
+            owner_path, _, name = path.rpartition(".")
+            owner: Any = root
+            for part in owner_path.split(".") if owner_path else []:
+                owner = getattr(owner, part, None)
+            if owner is not None and name in getattr(owner, "__dict__", {}):
+                self._guard(owner, name, path)
+
+    def _guard(self, owner: Any, name: str, path: str) -> None:
+        key = (id(owner.__dict__), name)
+        if key not in self._guard_set:
+            self._guard_set.add(key)
+            self.guards.append((owner.__dict__, name, type(owner).__qualname__, path))
+
     def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """What the engine exports: forward, recording which plain attributes it reads."""
-        reads: list[tuple[Any, str]] = []
+        reads: list[tuple[Any, str, str]] = []
         with _recording_reads(module, reads):
             output = module.forward(*args, **kwargs)
-        for owner, name in reads:
-            key = (id(owner.__dict__), name)
-            if key not in self._guard_set:
-                self._guard_set.add(key)
-                self.guards.append((owner.__dict__, name, type(owner).__qualname__))
+        for owner, name, path in reads:
+            self._guard(owner, name, path)
         return output
 
 
@@ -359,16 +377,23 @@ _NOT_RECORDED = (
 class _Recording:
     """One export's reads: (owner, attribute) pairs, and the objects whose class was swapped."""
 
-    def __init__(self, reads: list[tuple[Any, str]]) -> None:
+    def __init__(self, reads: list[tuple[Any, str, str]]) -> None:
         self.reads = reads
         self.swapped: list[tuple[Any, type]] = []
-        self.seen: set[int] = set()
+        self.path: dict[int, str] = {}  # id(object) -> dotted path from the root
 
-    def watch(self, obj: Any) -> None:
+    def read(self, owner: Any, name: str, value: Any) -> None:
+        prefix = self.path.get(id(owner), "")
+        path = f"{prefix}.{name}" if prefix else name
+        self.reads.append((owner, name, path))
+        if _plain_object(value):
+            self.watch(value, path)  # config.flag reads are guarded too
+
+    def watch(self, obj: Any, path: str) -> None:
         """Swap `obj` to a recording subclass until the export ends (if its layout allows)."""
-        if id(obj) in self.seen or len(self.seen) >= _MAX_RECORDED_OBJECTS:
+        if id(obj) in self.path or len(self.path) >= _MAX_RECORDED_OBJECTS:
             return
-        self.seen.add(id(obj))
+        self.path[id(obj)] = path
         cls = type(obj)
         try:
             # object.__setattr__: a patched or custom __setattr__ must not see this
@@ -404,9 +429,7 @@ def _recorder_class(cls: type) -> type:
                 and not name.startswith("_")
                 and name in object.__getattribute__(self, "__dict__")
             ):
-                recording.reads.append((self, name))
-                if _plain_object(value):
-                    recording.watch(value)  # config.flag reads are guarded too
+                recording.read(self, name, value)
             return value
 
         namespace = {
@@ -421,14 +444,14 @@ def _recorder_class(cls: type) -> type:
 
 
 @contextlib.contextmanager
-def _recording_reads(root: torch.nn.Module, reads: list[tuple[Any, str]]) -> Iterator[None]:
+def _recording_reads(root: torch.nn.Module, reads: list[tuple[Any, str, str]]) -> Iterator[None]:
     """Swap every module of the tree (and plain objects forward reaches through their
     attributes) to recording subclasses for the duration of the trace."""
     recording = _Recording(reads)
     previous = getattr(_RECORDING, "current", None)
     try:
-        for module in root.modules():
-            recording.watch(module)
+        for name, module in root.named_modules():
+            recording.watch(module, name)
         _RECORDING.current = recording
         yield
     finally:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -21,11 +25,14 @@ from ort_autopatch.engine.errors import (
     UnsupportedModelError,
 )
 from ort_autopatch.engine.state import ModuleState
+from ort_autopatch.engine.store import GraphStore
 
 log = logging.getLogger("ort_autopatch")
 
 #: Operators whose gradients need static shapes in ORT 1.19.2 (see ModuleEngine._build).
 _STATIC_SHAPE_OPS = ("MaxPool", "AveragePool", "LpPool")
+#: After this many seconds a build says, while it runs, that it is still working.
+SLOW_BUILD_SECONDS = 2.0
 
 
 class _NeedsStaticShapes(Exception):
@@ -40,6 +47,21 @@ class EngineOptions:
     threads: int | None = None  # None: follow torch.get_num_threads()
     spinning: bool = False
     cache_size: int = 8
+    cache_dir: Path | None = None  # persistent graph cache
+    save_onnx: Path | None = None  # folder to write exported and gradient graphs
+
+
+class Guards(Protocol):
+    """The caller's view of state that a graph bakes in (attribute values forward read)."""
+
+    def key(self) -> Hashable:
+        """Current values; joins the cache key."""
+
+    def paths(self) -> list[str]:
+        """Dotted attribute paths from the root, for the persistent cache."""
+
+    def adopt(self, root: torch.nn.Module, paths: list[str]) -> None:
+        """Guard these paths from now on (a graph loaded from disk was not exported here)."""
 
 
 @dataclass
@@ -50,6 +72,24 @@ class BuildRecord:
     export_seconds: float
     build_seconds: float
     training: bool
+    from_disk: bool = False
+
+
+@dataclass
+class Recipe:
+    """A graph and how to feed and read it, as plain data (what the persistent cache stores)."""
+
+    training: bool
+    forward_model: bytes  # the exported graph after the passes
+    gradient: session.GradientGraph | None
+    # graph input name -> ("input", flat tensor index) or ("state", qualified tensor name)
+    feed_sources: dict[str, tuple[str, Any]]
+    num_user_outputs: int
+    output_spec: export.OutputSpec
+    batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
+    seeds_dropout: bool
+    passes: dict[str, int] = field(default_factory=dict)
+    optimized: bytes | None = None  # ORT's optimised form of the graph that runs
 
 
 @dataclass
@@ -61,9 +101,7 @@ class _Entry:
     feeds: list[tuple[bool, int]]
     saved: tuple[int, ...]
     output_spec: export.OutputSpec
-    exported: bytes
-    gradient_model: bytes | None = None
-    passes: dict[str, int] = field(default_factory=dict)
+    recipe: Recipe
 
     def run(self, state: ModuleState, call: signature.FlatCall) -> Any:
         user, tensors = call.tensors, state.tensors
@@ -91,19 +129,24 @@ class ModuleEngine:
         module: torch.nn.Module,
         options: EngineOptions | None = None,
         forward: Callable[..., Any] | None = None,
+        guards: Guards | None = None,
     ) -> None:
         self.options = options or EngineOptions()
         self._module = weakref.ref(module)
         self._cls = type(module).__qualname__
         self._forward = forward or _default_forward
+        self._guards = guards
         self._cache: GraphCache[_Entry] = GraphCache(self.options.cache_size)
         self._state = ModuleState(module)
         self._static_shapes = False
         self._lock = threading.Lock()
         self.records: list[BuildRecord] = []
-        self._pending_reason = "first call"
+        self._pending_reason: str | None = "first call"
         self._trusted: dict[tuple[bool, bool], _Entry] = {}
+        self._built: set[Hashable] = set()
+        self._last_base: tuple[Any, ...] | None = None
         self.settings = session.SessionSettings(self.options.threads, self.options.spinning)
+        self._store = _store_for(self.options.cache_dir)
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -131,6 +174,7 @@ class ModuleEngine:
                 self._state = ModuleState(module)
             self._cache.clear()
             self._trusted.clear()
+            self._built.clear()
             self._pending_reason = reason
 
     # -- the call ------------------------------------------------------------------------
@@ -145,13 +189,11 @@ class ModuleEngine:
         self,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        guard: Callable[[], Hashable] | None = None,
         *,
         trust_last: bool = False,
         check_devices: bool = True,
     ) -> Any:
-        """Run one call. `guard()` joins the cache key: the caller's view of state the graph
-        baked in (it is asked again after a build, since the build may teach it more).
+        """Run one call.
 
         `trust_last` reuses the graph last used in the same grad/train mode without checking
         structure, guards or signature (SKIP_CHECK_BUILD_GRADIENT): faster, and stale when the
@@ -168,38 +210,62 @@ class ModuleEngine:
                 return trusted.run(self._state, call)
         state = self._state
         if not state.unchanged():
-            self.invalidate("module structure changed")
+            self.invalidate(state.describe_change())
             state = self._state
         call = signature.flatten_call(self._cls, args, kwargs, check_devices)
         grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in call.tensors) or any(p.requires_grad for p in state.params)
         )
-        base: Hashable = (
+        base = (
             grad,
             state.training_flags(),
             state.requires_grad_flags() if grad else (),
             call.signature,
         )
-        key = self._key(base, guard, call)
+        key = self._key(base, call)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache.get_or_build(key, lambda: self._build(module, state, call, grad))
-            # The build may have switched to static shapes or taught the guard new attributes.
-            settled = self._key(base, guard, call)
+            reason = self._miss_reason(key, base)
+            entry = self._cache.get_or_build(
+                key, lambda: self._build(module, state, call, grad, reason)
+            )
+            # The build may have switched to static shapes or taught the guards new attributes.
+            settled = self._key(base, call)
             if settled != key:
                 self._cache.rekey(key, settled)
+            self._built.add(settled)
+        self._last_base = base
         self._trusted[mode] = entry
         return entry.run(state, call)
 
-    def _key(
-        self, base: Hashable, guard: Callable[[], Hashable] | None, call: signature.FlatCall
-    ) -> Hashable:
-        key = (base, guard() if guard is not None else ())
+    def _key(self, base: Hashable, call: signature.FlatCall) -> Hashable:
+        key = (base, self._guards.key() if self._guards is not None else ())
         return (key, call.shapes()) if self._static_shapes else key
+
+    def _miss_reason(self, key: Hashable, base: tuple[Any, ...]) -> str:
+        reason, self._pending_reason = self._pending_reason, None
+        if reason is not None:
+            return reason
+        if key in self._built:
+            return "cache evicted"
+        last = self._last_base
+        if last is not None:
+            if last[0] != base[0]:
+                return "gradient mode changed"
+            if last[1] != base[1]:
+                return "train/eval mode changed"
+            if last[2] != base[2]:
+                return "requires_grad changed"
+        return "new input signature"
 
     # -- building ------------------------------------------------------------------------
     def _build(
-        self, module: torch.nn.Module, state: ModuleState, call: signature.FlatCall, grad: bool
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        call: signature.FlatCall,
+        grad: bool,
+        reason: str,
     ) -> _Entry:
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
@@ -209,30 +275,54 @@ class ModuleEngine:
                 "Move the module and its inputs to one device (model.to(device))",
             )
         device = next(iter(devices), torch.device("cpu"))
-        reason, self._pending_reason = self._pending_reason, "new input signature"
-        dynamic = not self._static_shapes
-
-        def finish(exported: export.ExportedGraph, model: Any) -> _Entry:
+        with _progress(self._cls) as progress:
             start = time.perf_counter()
-            entry = self._prepare(module, state, call, exported, model, grad, device)
-            record = BuildRecord(reason, exported.seconds, time.perf_counter() - start, grad)
-            self.records.append(record)
-            log.debug(
-                "%s: built %s graph (%s) in %.3fs export + %.3fs build",
-                self._cls,
-                "training" if grad else "inference",
-                reason,
-                record.export_seconds,
-                record.build_seconds,
-            )
-            return entry
+            persisted = self._persistent_key(module, state, call, grad, device)
+            if persisted is not None:
+                stored = self._load(persisted, state)
+                if stored is not None:
+                    progress.phase = "session"
+                    entry = self._instantiate(stored, state, call, device)
+                    self._record(reason, 0.0, time.perf_counter() - start, grad, from_disk=True)
+                    return entry
+            recipe, export_seconds = self._export_recipe(module, state, call, grad, progress)
+            progress.phase = "session"
+            entry = self._instantiate(recipe, state, call, device)
+            self._record(reason, export_seconds, time.perf_counter() - start - export_seconds, grad)
+        self._save(module, recipe, state, call, grad, device, base_key=persisted)
+        return entry
 
+    def _record(
+        self, reason: str, export_s: float, build_s: float, grad: bool, from_disk: bool = False
+    ) -> None:
+        record = BuildRecord(reason, export_s, build_s, grad, from_disk)
+        self.records.append(record)
+        log.debug(
+            "%s: %s %s graph (%s) in %.3fs export + %.3fs build",
+            self._cls,
+            "loaded" if from_disk else "built",
+            "training" if grad else "inference",
+            reason,
+            export_s,
+            build_s,
+        )
+
+    def _export_recipe(
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        call: signature.FlatCall,
+        grad: bool,
+        progress: _Progress,
+    ) -> tuple[Recipe, float]:
+        dynamic = not self._static_shapes
         try:
             exported = self._export(module, call, dynamic=dynamic)
             model = _load(exported.model_bytes)
             if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
-            return finish(exported, model)
+            progress.phase = "gradient build"
+            return self._recipe(state, call, exported, model, grad), exported.seconds
         except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
             if not dynamic:
                 raise
@@ -240,11 +330,13 @@ class ModuleEngine:
             # SIGSEGV, AveragePoolGrad SIGFPE) and adaptive pooling only exports with known
             # sizes: such modules get one graph per input shape instead.
             log.debug("%s: building with static shapes (%s)", self._cls, type(exc).__name__)
+            progress.phase = "export"
             exported = self._export(module, call, dynamic=False)
             model = _load(exported.model_bytes)
-            entry = finish(exported, model)
+            progress.phase = "gradient build"
+            recipe = self._recipe(state, call, exported, model, grad)
             self._static_shapes = True
-            return entry
+            return recipe, exported.seconds
 
     def _export(
         self, module: torch.nn.Module, call: signature.FlatCall, dynamic: bool
@@ -259,16 +351,15 @@ class ModuleEngine:
             dynamic=dynamic,
         )
 
-    def _prepare(
+    def _recipe(
         self,
-        module: torch.nn.Module,
         state: ModuleState,
         call: signature.FlatCall,
         exported: export.ExportedGraph,
         model: Any,
         grad: bool,
-        device: torch.device,
-    ) -> _Entry:
+    ) -> Recipe:
+        """Apply the graph passes (and the gradient build) to a fresh export."""
         passes: dict[str, int] = {}
         graph.name_outputs(model)
         num_user_outputs = len(model.graph.output)
@@ -284,10 +375,12 @@ class ModuleEngine:
         passes["batch_norm_statistics"] = len(stats)
 
         user_index = {name: k for k, name in enumerate(exported.user_input_names)}
-
-        def locate(name: str) -> tuple[bool, int]:
+        sources: dict[str, tuple[str, Any]] = {}
+        for graph_input in model.graph.input:
+            name = graph_input.name
             if name in user_index:
-                return True, user_index[name]
+                sources[name] = ("input", user_index[name])
+                continue
             base = name[: -len("__frozen")] if name in frozen else name
             qualified = exported.state_names.get(base)
             if qualified is None or qualified not in state.index:
@@ -296,79 +389,265 @@ class ModuleEngine:
                     f"graph input {name!r} is neither an argument nor a parameter or buffer",
                     "Report the model; run it eagerly meanwhile",
                 )
-            return False, state.index[qualified]
-
+            sources[name] = ("state", qualified)
         outputs = [o.name for o in model.graph.output]
-        seeds = any(n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node)
+        batch_norms = [
+            (
+                exported.state_names[s.running_mean].rsplit(".", 1)[0],
+                outputs.index(s.mean_output),
+                outputs.index(s.var_output),
+            )
+            for s in stats
+        ]
         model_bytes = model.SerializeToString()
-        feeds_for_graph = [i.name for i in model.graph.input]
-        batch_norms: list[bridge.BatchNormUpdate] = []
-        for s in stats:
-            qualified = exported.state_names[s.running_mean]
-            bn = state.owner_of(qualified)
-            if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                batch_norms.append(
-                    bridge.BatchNormUpdate(
-                        bn,
-                        outputs.index(s.mean_output),
-                        outputs.index(s.var_output),
-                    )
-                )
-        step = bridge.Step(self._cls, num_user_outputs, batch_norms, seeds)
+        gradient = None
         if grad:
-            user_names = exported.user_input_names
             requiring = [
                 n
-                for n in user_names
-                if n in feeds_for_graph and call.tensors[user_index[n]].requires_grad
+                for n, (kind, where) in sources.items()
+                if kind == "input" and call.tensors[where].requires_grad
             ]
             trainable = [
                 n
-                for n in feeds_for_graph
-                if n not in user_index
+                for n, (kind, where) in sources.items()
+                if kind == "state"
                 and n not in frozen
-                and state.is_param[locate(n)[1]]
-                and state.tensors[locate(n)[1]].requires_grad
+                and state.is_param[state.index[where]]
+                and state.tensors[state.index[where]].requires_grad
             ]
-            program: Any = session.build_training(
+            gradient = session.build_gradient(
                 model_bytes,
-                feed_names=feeds_for_graph,
+                feed_names=list(sources),
                 trainable=trainable + requiring,
                 inputs_requiring_grad=requiring,
-                user_inputs=user_names,
+                user_inputs=exported.user_input_names,
                 extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
-                device=device,
-                settings=self.settings,
                 cls=self._cls,
             )
+        return Recipe(
+            training=grad,
+            forward_model=model_bytes,
+            gradient=gradient,
+            feed_sources=sources,
+            num_user_outputs=num_user_outputs,
+            output_spec=exported.output_spec,
+            batch_norms=batch_norms,
+            seeds_dropout=any(
+                n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node
+            ),
+            passes=passes,
+        )
+
+    def _instantiate(
+        self, recipe: Recipe, state: ModuleState, call: signature.FlatCall, device: torch.device
+    ) -> _Entry:
+        """Sessions for a recipe, bound to this module's tensors."""
+
+        def locate(name: str) -> tuple[bool, int]:
+            kind, where = recipe.feed_sources[name]
+            if kind == "input":
+                return True, int(where)
+            if where not in state.index:
+                raise UnsupportedModelError(
+                    self._cls,
+                    f"the graph needs {where!r}, which the module no longer has",
+                    "Report the model; run it eagerly meanwhile",
+                )
+            return False, state.index[where]
+
+        batch_norms = []
+        for name, mean_index, var_index in recipe.batch_norms:
+            bn = state.by_name.get(name)
+            if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+                batch_norms.append(bridge.BatchNormUpdate(bn, mean_index, var_index))
+        step = bridge.Step(self._cls, recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
+        capture = self._store is not None and recipe.optimized is None
+        if recipe.gradient is not None:
+            program: Any = session.build_training(
+                recipe.gradient, device, self.settings, self._cls, recipe.optimized, capture
+            )
+            recipe.optimized = recipe.optimized or program.optimized
             feeds = [locate(n) for n in program.feed_names]
             saved = tuple(
                 k
                 for k, (is_user, i) in enumerate(feeds)
                 if program.grad_index[k] >= 0 and not is_user and state.is_param[i]
             )
-            return _Entry(
-                True,
-                program,
-                step,
-                feeds,
-                saved,
-                exported.output_spec,
-                model_bytes,
-                program.gradient_model,
-                passes,
-            )
-        program = session.build_inference(model_bytes, device, self.settings, self._cls)
-        feeds = [locate(n) for n in program.feed_names]
-        return _Entry(
-            False, program, step, feeds, (), exported.output_spec, model_bytes, None, passes
+            return _Entry(True, program, step, feeds, saved, recipe.output_spec, recipe)
+        program = session.build_inference(
+            recipe.optimized or recipe.forward_model,
+            device,
+            self.settings,
+            self._cls,
+            optimized=recipe.optimized is not None,
+            capture=capture,
         )
+        recipe.optimized = recipe.optimized or program.optimized
+        feeds = [locate(n) for n in program.feed_names]
+        return _Entry(False, program, step, feeds, (), recipe.output_spec, recipe)
+
+    # -- on disk ---------------------------------------------------------------------------
+    def _persistent_key(
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        call: signature.FlatCall,
+        grad: bool,
+        device: torch.device,
+    ) -> str | None:
+        if self._store is None and self.options.save_onnx is None:
+            return None
+        sources = _source_digest(module)
+        if sources is None:
+            return None
+        from ort_autopatch.engine import persist
+
+        return persist.static_key(
+            cls=self._cls,
+            sources=sources,
+            state=state,
+            call=call,
+            grad=grad,
+            device=device,
+            opset=self.options.opset,
+            static_shapes=self._static_shapes,
+        )
+
+    def _load(self, static: str, state: ModuleState) -> Recipe | None:
+        if self._store is None:
+            return None
+        from ort_autopatch.engine import persist
+
+        module = self._module()
+        paths = self._store.paths(static)
+        if module is None:
+            return None
+        key = persist.full_key(static, module, paths)
+        stored = self._store.load(static, key)
+        if stored is None:
+            return None
+        recipe = persist.recipe_from(stored, self._cls)
+        if recipe is None:
+            return None
+        if self._guards is not None:
+            self._guards.adopt(module, paths)
+        return recipe
+
+    def _save(
+        self,
+        module: torch.nn.Module,
+        recipe: Recipe,
+        state: ModuleState,
+        call: signature.FlatCall,
+        grad: bool,
+        device: torch.device,
+        base_key: str | None,
+    ) -> None:
+        if self._store is None and self.options.save_onnx is None:
+            return
+        from ort_autopatch.engine import persist
+
+        static = persist.static_key(
+            cls=self._cls,
+            sources=_source_digest(module) or "",
+            state=state,
+            call=call,
+            grad=grad,
+            device=device,
+            opset=self.options.opset,
+            static_shapes=self._static_shapes,
+        )
+        paths = self._guards.paths() if self._guards is not None else []
+        if self._store is not None and base_key is not None:
+            known = self._store.paths(static)
+            union = known + [p for p in paths if p not in known]
+            key = persist.full_key(static, module, union)
+            meta = persist.meta_of(recipe)
+            if meta is not None:
+                self._store.save(static, key, meta, persist.graphs_of(recipe), union)
+        if self.options.save_onnx is not None:
+            persist.save_onnx(
+                self.options.save_onnx, self._cls, grad, module.training, static, recipe
+            )
 
 
 def _load(model_bytes: bytes) -> Any:
     import onnx
 
     return onnx.load_from_string(model_bytes)
+
+
+_stores: dict[Path, GraphStore] = {}
+
+
+def _store_for(root: Path | None) -> GraphStore | None:
+    if root is None:
+        return None
+    store = _stores.get(root)
+    if store is None:
+        store = _stores[root] = GraphStore(root)
+    return store if store.usable else None
+
+
+_source_cache: dict[tuple[str, float], str] = {}
+
+
+def _source_digest(module: torch.nn.Module) -> str | None:
+    """Hash of the files defining every class in the tree: an edited model never loads a
+    graph exported from its old code. None when a class has no source file (REPL, exec)."""
+    files = set()
+    for sub in module.modules():
+        for klass in type(sub).__mro__:
+            if klass.__module__ in ("builtins", "torch.nn.modules.module"):
+                continue
+            mod = sys.modules.get(klass.__module__)
+            path = getattr(mod, "__file__", None)
+            if path is None:
+                return None
+            files.add(path)
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        try:
+            stamp = Path(path).stat().st_mtime
+            cached = _source_cache.get((path, stamp))
+            if cached is None:
+                cached = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                _source_cache[(path, stamp)] = cached
+        except OSError:
+            return None
+        digest.update(path.encode() + cached.encode())
+    return digest.hexdigest()
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.phase = "export"
+
+
+@contextmanager
+def _progress(cls: str) -> Iterator[_Progress]:
+    """Say while it runs that a slow build is still working, so nobody thinks training hung."""
+    progress = _Progress()
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def watch() -> None:
+        wait = SLOW_BUILD_SECONDS
+        while not done.wait(wait):
+            log.warning(
+                "%s: still building its ONNX Runtime graph (%s, %.0fs so far)",
+                cls,
+                progress.phase,
+                time.perf_counter() - start,
+            )
+            wait = 5 * SLOW_BUILD_SECONDS
+
+    watcher = threading.Thread(target=watch, name="ort_autopatch-progress", daemon=True)
+    watcher.start()
+    try:
+        yield progress
+    finally:
+        done.set()
 
 
 def _embedding_padding(state: ModuleState, state_names: dict[str, str]) -> dict[str, int]:

@@ -56,6 +56,21 @@ class ModuleState:
                 return False
         return True
 
+    def describe_change(self) -> str:
+        """Why `unchanged()` said no, in a report's words (only called after a change)."""
+        for table, name, child in self.edges:
+            if table.get(name) is not child:
+                return f"submodule {name} replaced"
+        for table, name, tensor, dtype, device in self._slots:
+            current = table.get(name)
+            if current is not tensor:
+                return f"{name} replaced"
+            if tensor.device != device:
+                return "device changed"
+            if tensor.dtype != dtype:
+                return "dtype changed"
+        return "module structure changed"
+
     def training_flags(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.modules)
 

@@ -1,0 +1,226 @@
+"""Keys and (de)serialisation of recipes for the persistent graph cache and saved graphs."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ort_autopatch.engine import export, graph, runtime, session, signature
+from ort_autopatch.engine.state import ModuleState
+from ort_autopatch.engine.store import StoredEntry, digest, digest_bytes
+
+log = logging.getLogger("ort_autopatch")
+
+_MISSING = "<missing>"
+_JSON_LEAVES = (type(None), bool, int, float, str)
+
+
+def static_key(
+    *,
+    cls: str,
+    sources: str,
+    state: ModuleState,
+    call: signature.FlatCall,
+    grad: bool,
+    device: torch.device,
+    opset: int,
+    static_shapes: bool,
+) -> str:
+    """Everything that decides a graph except attribute values forward read."""
+    from ort_autopatch import __version__
+
+    return digest(
+        {
+            "tool": __version__,
+            "passes": graph.GRAPH_FIX_VERSION,
+            "torch": torch.__version__,
+            "onnxruntime": runtime.version(),
+            "class": cls,
+            "sources": sources,
+            "state": [
+                (name, tuple(t.shape), str(t.dtype), t.requires_grad)
+                for name, t in zip(state.names, state.tensors, strict=True)
+            ],
+            "training": state.training_flags(),
+            "grad": grad,
+            "signature": repr(call.signature),
+            "shapes": call.shapes() if static_shapes else None,
+            "device": device.type,
+            "machine": machine_fingerprint(),
+            "opset": opset,
+        }
+    )
+
+
+_fingerprint: str | None = None
+
+
+def machine_fingerprint() -> str:
+    """ORT's optimised graphs use this CPU's features; another machine must not load them."""
+    global _fingerprint
+    if _fingerprint is None:
+        flags = ""
+        try:
+            with open("/proc/cpuinfo") as info:
+                flags = next((ln for ln in info if ln.startswith(("flags", "Features"))), "")
+        except OSError:
+            pass
+        _fingerprint = digest([platform.machine(), platform.processor(), flags])
+    return _fingerprint
+
+
+def graphs_of(recipe: Any) -> dict[str, bytes]:
+    graphs = {"forward": recipe.forward_model}
+    if recipe.gradient is not None:
+        graphs["gradient"] = recipe.gradient.model
+    if recipe.optimized is not None:
+        graphs["optimized"] = recipe.optimized
+    return graphs
+
+
+def resolve(root: Any, path: str) -> Any:
+    value = root
+    for part in path.split("."):
+        value = getattr(value, part, _MISSING)
+        if value is _MISSING:
+            return _MISSING
+    return value
+
+
+def full_key(static: str, root: torch.nn.Module, paths: list[str]) -> str:
+    return digest([static, [(p, stable_repr(resolve(root, p))) for p in paths]])
+
+
+def stable_repr(value: Any) -> str:
+    """A text for a value that is the same in every process (no memory addresses)."""
+    if isinstance(value, (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(stable_repr(v) for v in value)})"
+    if isinstance(value, dict):
+        return (
+            "{" + ", ".join(f"{stable_repr(k)}: {stable_repr(v)}" for k, v in value.items()) + "}"
+        )
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        return (
+            f"tensor({value.dtype}, {tuple(value.shape)}, {digest_bytes(data.numpy().tobytes())})"
+        )
+    if inspect.ismethod(value):
+        return f"method({_qualified(type(value.__self__))}.{value.__func__.__name__})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return _qualified(value)
+    if type(value).__repr__ is object.__repr__:
+        return f"<{_qualified(type(value))}>"
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+
+
+def _qualified(obj: Any) -> str:
+    return (
+        f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+    )
+
+
+def meta_of(recipe: Any) -> dict[str, Any] | None:
+    """The recipe as JSON, or None when its output structure cannot be written as JSON."""
+    spec = recipe.output_spec
+    if not all(isinstance(leaf, _JSON_LEAVES) for leaf in spec.leaves):
+        return None
+    try:
+        treespec = pytree.treespec_dumps(spec.spec)
+    except Exception:  # types registered without a serialized name, e.g. custom containers
+        return None
+    gradient = recipe.gradient
+    return {
+        "training": recipe.training,
+        "feed_sources": {k: list(v) for k, v in recipe.feed_sources.items()},
+        "num_user_outputs": recipe.num_user_outputs,
+        "output_treespec": treespec,
+        "output_leaves": spec.leaves,
+        "output_positions": spec.tensor_positions,
+        "batch_norms": [list(b) for b in recipe.batch_norms],
+        "seeds_dropout": recipe.seeds_dropout,
+        "passes": recipe.passes,
+        "gradient": None
+        if gradient is None
+        else {
+            "num_forward_outputs": gradient.num_forward_outputs,
+            "num_outputs": gradient.num_outputs,
+            "non_differentiable": gradient.non_differentiable,
+            "full_shape_grads": gradient.full_shape_grads,
+            "grad_of": gradient.grad_of,
+        },
+    }
+
+
+def recipe_from(stored: StoredEntry, cls: str) -> Any:
+    """A recipe from a stored entry, or None (with a warning) when the entry does not fit."""
+    from ort_autopatch.engine.module_engine import Recipe
+
+    meta = stored.meta
+    try:
+        spec = export.OutputSpec(
+            pytree.treespec_loads(meta["output_treespec"]),
+            list(meta["output_leaves"]),
+            [int(p) for p in meta["output_positions"]],
+        )
+        g = meta["gradient"]
+        graphs = stored.graphs
+        gradient = None
+        if g is not None:
+            gradient = session.GradientGraph(
+                model=graphs["gradient"],
+                num_forward_outputs=int(g["num_forward_outputs"]),
+                num_outputs=int(g["num_outputs"]),
+                non_differentiable=[int(i) for i in g["non_differentiable"]],
+                full_shape_grads=[int(i) for i in g["full_shape_grads"]],
+                grad_of={str(k): str(v) for k, v in g["grad_of"].items()},
+            )
+        optimized = graphs.get("optimized")
+        _check(optimized or (gradient.model if gradient is not None else graphs["forward"]))
+        return Recipe(
+            training=bool(meta["training"]),
+            forward_model=graphs["forward"],
+            optimized=optimized,
+            gradient=gradient,
+            feed_sources={k: (str(v[0]), v[1]) for k, v in meta["feed_sources"].items()},
+            num_user_outputs=int(meta["num_user_outputs"]),
+            output_spec=spec,
+            batch_norms=[(str(b[0]), int(b[1]), int(b[2])) for b in meta["batch_norms"]],
+            seeds_dropout=bool(meta["seeds_dropout"]),
+            passes={str(k): int(v) for k, v in meta["passes"].items()},
+        )
+    except Exception as exc:
+        log.warning(
+            "ort_autopatch: %s: ignoring a cached graph that does not fit (%s); rebuilding",
+            cls,
+            exc,
+        )
+        return None
+
+
+def _check(model: bytes) -> None:
+    """Only well-formed ONNX is handed to ONNX Runtime."""
+    import onnx
+
+    onnx.checker.check_model(onnx.load_from_string(model))
+
+
+def save_onnx(folder: Path, cls: str, grad: bool, training: bool, key: str, recipe: Any) -> None:
+    """Write the exported (and gradient) graph with a name saying class, mode and signature."""
+    mode = "train" if grad else ("eval" if not training else "nograd")
+    stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', cls)}-{mode}-{key[:12]}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{stem}.onnx").write_bytes(recipe.forward_model)
+        if recipe.gradient is not None:
+            (folder / f"{stem}.gradient.onnx").write_bytes(recipe.gradient.model)
+    except OSError as exc:
+        log.warning("ort_autopatch: cannot save graphs to %s: %s", folder, exc)

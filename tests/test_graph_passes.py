@@ -128,3 +128,17 @@ def test_yield_extra_outputs_appends_non_differentiable_yield_inputs() -> None:
 def test_yield_extra_outputs_requires_a_yield_op() -> None:
     with pytest.raises(ValueError, match="YieldOp"):
         graph.yield_extra_outputs(_model([], ["x"], ["x"]), ["a"])
+
+
+def test_yield_extra_outputs_moves_late_producers_before_the_yield_op() -> None:
+    nodes = [
+        helper.make_node("YieldOp", ["out"], ["out_grad"], domain="com.microsoft"),
+        helper.make_node("Neg", ["x"], ["late"]),
+        helper.make_node("Abs", ["late"], ["stat"]),
+        helper.make_node("Neg", ["out_grad"], ["x_grad"]),
+    ]
+    model = _model(nodes, ["x", "out"], ["x_grad"])
+    graph.yield_extra_outputs(model, ["stat"])
+    order = [n.output[0] for n in model.graph.node]
+    assert order == ["late", "stat", "out_grad", "x_grad"]
+    assert list(model.graph.node[2].input) == ["out", "stat"]

@@ -315,8 +315,11 @@ def yield_extra_outputs(gradient_model: onnx.ModelProto, names: list[str]) -> in
     own cached frontier tensors, they come back from run_forward after the user outputs.
     Returns the number of forward outputs.
     """
-    for node in gradient_model.graph.node:
-        if node.op_type == "YieldOp":
+    for index, found in enumerate(gradient_model.graph.node):
+        if found.op_type == "YieldOp":
+            _hoist_producers(gradient_model, index, names)
+            # rebuilding the node list copies the messages: look the YieldOp up again
+            node = next(n for n in gradient_model.graph.node if n.op_type == "YieldOp")
             first = len(node.input)
             node.input.extend(names)
             for attr in node.attribute:
@@ -332,6 +335,32 @@ def yield_extra_outputs(gradient_model: onnx.ModelProto, names: list[str]) -> in
                 )
             return len(node.input)
     raise ValueError("the gradient graph has no YieldOp")
+
+
+def _hoist_producers(model: onnx.ModelProto, yield_index: int, names: list[str]) -> None:
+    """Move the nodes computing `names` that sit after the YieldOp to just before it.
+
+    The builder appends nodes it does not need for backward after the YieldOp; once their
+    outputs feed the YieldOp they must come first for the graph to stay topologically sorted
+    (ORT sorts for itself, but onnx.checker and other tools insist).
+    """
+    nodes = list(model.graph.node)
+    after = nodes[yield_index + 1 :]
+    producer = {out: k for k, node in enumerate(after) for out in node.output}
+    needed: set[int] = set()
+    stack = [producer[n] for n in names if n in producer]
+    while stack:
+        k = stack.pop()
+        if k in needed:
+            continue
+        needed.add(k)
+        stack.extend(producer[i] for i in after[k].input if i in producer)
+    if not needed:
+        return
+    moved = [after[k] for k in sorted(needed)]
+    kept = [node for k, node in enumerate(after) if k not in needed]
+    del model.graph.node[:]
+    model.graph.node.extend([*nodes[:yield_index], *moved, nodes[yield_index], *kept])
 
 
 def has_op(model: onnx.ModelProto, op_type: str) -> bool:

@@ -1,0 +1,260 @@
+"""The persistent graph cache and saved graphs: hits, misses, damage, concurrency, safety."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine import EngineOptions, ModuleEngine, module_engine, persist
+from ort_autopatch.engine.store import GraphStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * self.scale
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stores() -> None:
+    module_engine._stores.clear()
+
+
+def _engine(model: nn.Module, folder: Path, **options: object) -> ModuleEngine:
+    return ModuleEngine(model, EngineOptions(cache_dir=folder, **options))  # type: ignore[arg-type]
+
+
+def _train_once(engine: ModuleEngine, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = engine(x)
+    out.sum().backward()
+    return out
+
+
+def test_a_second_engine_loads_the_graph_instead_of_exporting(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Small()
+    x = torch.randn(5, 4)
+    first = _train_once(_engine(model, tmp_path), x)
+    grad = model.fc.weight.grad.clone()
+    model.zero_grad()
+    second_engine = _engine(model, tmp_path)
+    second = _train_once(second_engine, x)
+    assert second_engine.records[0].from_disk
+    torch.testing.assert_close(second, first)
+    torch.testing.assert_close(model.fc.weight.grad, grad)
+
+
+def test_entries_are_onnx_and_json_only_in_a_private_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    _train_once(_engine(Small(), folder), torch.randn(5, 4))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert files and all(p.suffix in (".onnx", ".json") for p in files)
+    for graph in folder.rglob("*.onnx"):
+        onnx.checker.check_model(onnx.load(graph))
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def test_a_different_input_dtype_misses(tmp_path: Path) -> None:
+    model = Plain()
+    _engine(model, tmp_path)(torch.randn(5, 4))
+    model.double()
+    engine = _engine(model, tmp_path)
+    engine(torch.randn(5, 4, dtype=torch.float64))
+    assert not engine.records[0].from_disk
+
+
+def test_another_torch_version_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Small()
+    _engine(model, tmp_path)(torch.randn(5, 4))
+    monkeypatch.setattr(persist.torch, "__version__", "9.9.9")
+    engine = _engine(model, tmp_path)
+    engine(torch.randn(5, 4))
+    assert not engine.records[0].from_disk
+
+
+def test_a_changed_attribute_value_misses(tmp_path: Path) -> None:
+    class Guards:
+        def key(self) -> tuple[object, ...]:
+            return (model.scale,)
+
+        def paths(self) -> list[str]:
+            return ["scale"]
+
+        def adopt(self, root: nn.Module, paths: list[str]) -> None:
+            pass
+
+    model = Small()
+    ModuleEngine(model, EngineOptions(cache_dir=tmp_path), guards=Guards())(torch.randn(5, 4))
+    model.scale = 3.0
+    engine = ModuleEngine(model, EngineOptions(cache_dir=tmp_path), guards=Guards())
+    torch.testing.assert_close(engine(x := torch.randn(5, 4)), model.forward(x))
+    assert not engine.records[0].from_disk
+
+
+def test_a_truncated_graph_is_ignored_with_a_warning_and_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = Small()
+    _engine(model, tmp_path)(torch.randn(5, 4))
+    for graph in tmp_path.rglob("*.onnx"):
+        graph.write_bytes(graph.read_bytes()[:50])
+    module_engine._stores.clear()
+    engine = _engine(model, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(engine(x), model.forward(x))
+    assert not engine.records[0].from_disk
+    assert any("ignoring cache entry" in r.getMessage() for r in caplog.records)
+
+
+def test_a_foreign_sidecar_is_ignored(tmp_path: Path) -> None:
+    model = Small()
+    _engine(model, tmp_path)(torch.randn(5, 4))
+    for sidecar in tmp_path.rglob("*.json"):
+        if sidecar.name != "paths.json":
+            sidecar.write_text('{"format": 999}')
+    module_engine._stores.clear()
+    engine = _engine(model, tmp_path)
+    engine(torch.randn(5, 4))
+    assert not engine.records[0].from_disk
+
+
+def test_a_world_writable_folder_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tmp_path.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        store = GraphStore(tmp_path)
+    assert not store.usable
+    assert "world-writable" in caplog.text
+    engine = _engine(Small(), tmp_path)
+    engine(torch.randn(5, 4))  # runs, without the cache
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_folder_is_bounded_least_recently_used_first(tmp_path: Path) -> None:
+    store = GraphStore(tmp_path)
+    entry = {"forward": b"x" * 1000}
+    store.save("static", "key0", {"training": False}, entry, [])
+    size = sum(p.stat().st_size for p in (tmp_path / "static").glob("key0.*"))
+    store.max_bytes = int(size * 2.5)
+    os.utime(tmp_path / "static" / "key0.json", (1, 1))
+    store.save("static", "key1", {"training": False}, entry, [])
+    os.utime(tmp_path / "static" / "key1.json", (2, 2))
+    store.save("static", "key2", {"training": False}, entry, [])
+    assert store.load("static", "key0") is None
+    assert store.load("static", "key1") is not None
+    assert store.load("static", "key2") is not None
+
+
+def test_clear_removes_every_entry(tmp_path: Path) -> None:
+    _engine(Small(), tmp_path)(torch.randn(5, 4))
+    assert GraphStore(tmp_path).clear() == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_saved_graphs_say_class_mode_and_signature_and_pass_the_checker(tmp_path: Path) -> None:
+    model = Small()
+    engine = ModuleEngine(model, EngineOptions(save_onnx=tmp_path))
+    engine(torch.randn(5, 4)).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        engine(torch.randn(5, 4))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.startswith("Small-train-") and n.endswith(".gradient.onnx") for n in names)
+    assert any(n.startswith("Small-eval-") for n in names)
+    for path in tmp_path.iterdir():
+        onnx.checker.check_model(onnx.load(path))
+
+
+SCRIPT = """
+import sys, torch
+from torch import nn
+from ort_autopatch.engine import EngineOptions, ModuleEngine
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+    def forward(self, x):
+        return torch.tanh(self.fc(x))  # VARIANT
+
+torch.manual_seed(0)
+engine = ModuleEngine(Net(), EngineOptions(cache_dir=sys.argv[1]))
+out = engine(torch.ones(3, 4))
+out.sum().backward()
+print(engine.records[0].from_disk, round(float(out.sum()), 5))
+"""
+
+
+def _run(script: Path, cache: Path) -> str:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(script), str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_second_process_hits_and_an_edited_model_file_misses(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    cache = tmp_path / "cache"
+    cold, warm = _run(script, cache), _run(script, cache)
+    assert cold.split()[0] == "False" and warm.split()[0] == "True"
+    assert cold.split()[1] == warm.split()[1]
+    script.write_text(textwrap.dedent(SCRIPT).replace("torch.tanh(", "torch.sigmoid("))
+    edited = _run(script, cache)
+    assert edited.split()[0] == "False" and edited.split()[1] != cold.split()[1]
+
+
+def test_two_processes_writing_at_once_leave_a_loadable_entry(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    cache = tmp_path / "cache"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(cache)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    assert _run(script, cache).split()[0] == "True"
+    assert not list(cache.rglob("*.tmp"))

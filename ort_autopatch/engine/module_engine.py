@@ -145,6 +145,7 @@ class ModuleEngine:
         self._trusted: dict[tuple[bool, bool], _Entry] = {}
         self._built: set[Hashable] = set()
         self._last_base: tuple[Any, ...] | None = None
+        self._last_in_mode: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.settings = session.SessionSettings(self.options.threads, self.options.spinning)
         self._store = _store_for(self.options.cache_dir)
 
@@ -235,6 +236,7 @@ class ModuleEngine:
                 self._cache.rekey(key, settled)
             self._built.add(settled)
         self._last_base = base
+        self._last_in_mode[base[:2]] = base
         self._trusted[mode] = entry
         return entry.run(state, call)
 
@@ -248,14 +250,14 @@ class ModuleEngine:
             return reason
         if key in self._built:
             return "cache evicted"
-        last = self._last_base
-        if last is not None:
-            if last[0] != base[0]:
+        same_mode = self._last_in_mode.get(base[:2])
+        if same_mode is None:
+            last = self._last_base
+            if last is not None and last[0] != base[0]:
                 return "gradient mode changed"
-            if last[1] != base[1]:
-                return "train/eval mode changed"
-            if last[2] != base[2]:
-                return "requires_grad changed"
+            return "train/eval mode changed"
+        if same_mode[2] != base[2]:
+            return "requires_grad changed"
         return "new input signature"
 
     # -- building ------------------------------------------------------------------------

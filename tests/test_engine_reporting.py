@@ -1,0 +1,76 @@
+"""What the engine tells about its builds: reasons, and progress while a build is slow."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine import EngineOptions, ModuleEngine, module_engine
+
+
+class SlowToTrace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)  # runs once, while the exporter traces
+        return self.fc(x)
+
+
+def _reasons(engine: ModuleEngine) -> list[str]:
+    return [r.reason for r in engine.records]
+
+
+def test_a_slow_build_says_so_while_it_runs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(module_engine, "SLOW_BUILD_SECONDS", 0.1)
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        ModuleEngine(SlowToTrace())(torch.randn(2, 4))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("SlowToTrace: still building" in m and "(export," in m for m in messages)
+
+
+def test_a_fast_build_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="ort_autopatch"):
+        ModuleEngine(nn.Linear(4, 4))(torch.randn(2, 4))
+    assert not [r for r in caplog.records if "still building" in r.getMessage()]
+
+
+def test_rebuild_reasons_name_what_changed() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    engine = ModuleEngine(model, EngineOptions(cache_size=2))
+    x = torch.randn(2, 4)
+    engine(x)  # first call
+    engine(x.double().float()[None])  # rank 3: new input signature
+    model.eval()
+    engine(x)  # train/eval mode changed
+    model.train()
+    model[0].weight.requires_grad_(False)
+    engine(x)  # requires_grad changed
+    model[0].weight.requires_grad_(True)
+    engine(x)  # evicted from the 2-graph cache
+    model[1] = nn.Sigmoid()
+    engine(x)  # submodule replaced
+    assert _reasons(engine) == [
+        "first call",
+        "new input signature",
+        "train/eval mode changed",
+        "requires_grad changed",
+        "cache evicted",
+        "submodule 1 replaced",
+    ]
+
+
+def test_a_dtype_change_in_place_is_named() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    engine = ModuleEngine(model)
+    engine(torch.randn(2, 4))
+    model.double()
+    engine(torch.randn(2, 4, dtype=torch.float64))
+    assert _reasons(engine)[-1] == "dtype changed"

@@ -1,7 +1,8 @@
-"""Counters per selected class: what ran where, and why. (The exit report builds on these.)"""
+"""Counters per selected class (what ran where, and why) and the exit report built from them."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -57,3 +58,133 @@ def snapshot() -> dict[str, dict[str, Any]]:
 def reset() -> None:
     with _lock:
         _stats.clear()
+
+
+# -- the exit report ------------------------------------------------------------------------------
+# Nothing below imports torch or onnxruntime: versions come from package metadata (or from torch
+# when the run already imported it), so writing a report never costs an import at exit.
+
+_ORT_DISTRIBUTIONS = (
+    "onnxruntime-training",
+    "onnxruntime-training-cpu",
+    "onnxruntime",
+    "onnxruntime-gpu",
+)
+
+
+def prepare() -> None:
+    """Import what ``build``/``write`` need, so that nothing is imported at interpreter exit."""
+    import importlib.metadata  # noqa: F401
+    import json  # noqa: F401
+    import tempfile  # noqa: F401
+
+
+def distribution_version(*names: str) -> str | None:
+    """Version of the first installed distribution among `names`, from package metadata."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """The tool's, torch's and ONNX Runtime's versions, without importing either library."""
+    import sys
+
+    from ort_autopatch import __version__
+
+    torch_mod = sys.modules.get("torch")
+    torch_version = getattr(torch_mod, "__version__", None) or distribution_version("torch")
+    return {
+        "version": __version__,
+        "torch": None if torch_version is None else str(torch_version),
+        "onnxruntime": distribution_version(*_ORT_DISTRIBUTIONS),
+    }
+
+
+def build(unmatched: list[str]) -> dict[str, Any]:
+    """DESIGN.md's report: versions, per-class counters and the patterns that matched nothing."""
+    return {**versions(), "classes": snapshot(), "unmatched": list(unmatched)}
+
+
+def report_path(template: str, rank: int | None) -> str | None:
+    """Where this process writes the report, or None: `{rank}` gives each rank its own file,
+    otherwise only rank 0 (or a run without ranks) writes, so ranks never clobber one file."""
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank or 0))
+    return template if not rank else None
+
+
+def write(path: str, data: dict[str, Any]) -> None:
+    """Write the JSON report atomically (a reader never sees half a file)."""
+    import json
+    import os
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ort_autopatch-report-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=False)
+            out.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def summary(data: dict[str, Any], max_classes: int = 12) -> str:
+    """One screen of text: which classes ran in ORT, how many calls, exports, and why not."""
+    lines = [
+        f"ort_autopatch {data.get('version')} summary "
+        f"(torch {data.get('torch')}, onnxruntime {data.get('onnxruntime')})"
+    ]
+    classes: dict[str, dict[str, Any]] = data.get("classes", {})
+    if not classes:
+        lines.append("  no selected class was created in this process")
+    else:
+        width = min(max(len(name) for name in classes), 48)
+        lines.append(
+            f"  {'class':<{width}} {'inst':>5} {'ORT calls':>10} {'eager':>7} "
+            f"{'exports':>8} {'export s':>9}"
+        )
+        shown = sorted(classes.items())[:max_classes]
+        for name, c in shown:
+            lines.append(
+                f"  {_clip_left(name, width):<{width}} {c['instances']:>5} {c['ort_calls']:>10} "
+                f"{c['eager_calls']:>7} {c['exports']:>8} {c['export_seconds']:>9.2f}"
+            )
+            why = [f"rebuilt: {r['reason']} x{r['count']}" for r in c.get("rebuilds", [])]
+            why += [
+                f"eager: {r['reason']} x{r['count']}"
+                for r in c.get("eager_reasons", [])
+                if not r["reason"].startswith("fallback: ")
+            ]
+            why += [
+                f"fell back: {r['reason']} ({_clip(r['detail'], 60)}) x{r['count']}"
+                for r in c.get("fallbacks", [])
+            ]
+            lines.extend(f"    {_clip(text, 96)}" for text in why[:4])
+            if len(why) > 4:
+                lines.append(f"    ... {len(why) - 4} more reasons in the JSON report")
+        if len(classes) > max_classes:
+            lines.append(f"  ... {len(classes) - max_classes} more classes in the JSON report")
+    unmatched = data.get("unmatched", [])
+    if unmatched:
+        lines.append(f"  patterns that matched no class: {', '.join(unmatched)}")
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _clip_left(text: str, width: int) -> str:
+    # Class names keep their informative end: "...modeling_bert:BertForSequenceClassification".
+    return text if len(text) <= width else "..." + text[len(text) - width + 3 :]

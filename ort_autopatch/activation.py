@@ -1,0 +1,137 @@
+"""Activation shared by the launcher and the child-process bootstrap.
+
+Both do the same three things in a process, once: install the patching from a Config, route the
+tool's log records to stderr (rank 0 only), and register the exit report. Which process reports is
+decided here so that a run writes one report per rank, never one per worker: a process reports when
+no ancestor already reports for the same rank (the ancestor's RANK travels in
+``ORT_AUTOPATCH_REPORTER_RANK``), when it is not a multiprocessing helper (spawn workers,
+forkserver, resource tracker) and, at exit, when it is not torchrun's agent (its ranks report).
+Nothing here imports torch or onnxruntime.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+
+from ort_autopatch import install, unmatched_patterns
+from ort_autopatch import report as _report
+from ort_autopatch.config import Config
+
+__all__ = ["ENV_REPORTER", "activate", "current_rank", "is_multiprocessing_helper"]
+
+#: RANK ("" without one) of the nearest process that reports; its children with the same rank
+#: (DataLoader workers, subprocess calls) leave the report to it.
+ENV_REPORTER = "ORT_AUTOPATCH_REPORTER_RANK"
+
+_log = logging.getLogger("ort_autopatch")
+_lock = threading.Lock()
+_activated = False
+# torchrun's elastic agent imports this; in a process without RANK it means "my ranks report".
+_AGENT_MODULE = "torch.distributed.elastic.agent.server.api"
+
+
+def current_rank() -> int | None:
+    """This process's distributed rank from ``RANK`` (torchrun sets it), None without one."""
+    raw = os.environ.get("RANK", "").strip()
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def is_multiprocessing_helper() -> bool:
+    """Whether multiprocessing started this interpreter (spawn child, forkserver, tracker)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return any(arg == "--multiprocessing-fork" or "from multiprocessing." in arg for arg in argv)
+
+
+def activate(config: Config) -> bool:
+    """Install from ``config`` in this process (once) and arrange the exit report.
+
+    Returns whether this call installed anything; a disabled config installs nothing, logs
+    nothing and reports nothing.
+    """
+    global _activated
+    with _lock:
+        if _activated:
+            return False
+        _activated = True
+    if not config.enabled:
+        return False
+    rank = current_rank()
+    installed = install(config)
+    _configure_logging(config.log_level, rank)
+    if installed and _claims_report(rank) and _wants_output(config):
+        # Import now what writing needs: an import while the interpreter finalizes resets its
+        # "KeyboardInterrupt went unhandled" flag, and ^C would then exit 1 instead of by SIGINT.
+        _report.prepare()
+        atexit.register(_at_exit, config, os.getpid(), rank)
+    return installed
+
+
+def _wants_output(config: Config) -> bool:
+    return bool(config.report) or logging.getLevelName(config.log_level) <= logging.INFO
+
+
+def _claims_report(rank: int | None) -> bool:
+    if is_multiprocessing_helper():
+        return False
+    mine = "" if rank is None else str(rank)
+    if os.environ.get(ENV_REPORTER) == mine:
+        return False  # a parent with the same rank reports for this process too
+    os.environ[ENV_REPORTER] = mine
+    return True
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (scripts and tests redirect it)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+
+def _configure_logging(level: str, rank: int | None) -> None:
+    logger = logging.getLogger("ort_autopatch")
+    # Ranks other than 0 keep errors only: N copies of every warning drown a distributed log.
+    logger.setLevel(level if not rank else max(logging.getLevelName(level), logging.ERROR))
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[ort_autopatch] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        # Our records go to stderr once, whatever logging setup the user's script makes.
+        logger.propagate = False
+
+
+def _at_exit(config: Config, pid: int, rank: int | None) -> None:
+    try:
+        if os.getpid() != pid:
+            return  # an os.fork()ed child running the parent's atexit handlers
+        if rank is None and _AGENT_MODULE in sys.modules:
+            return  # torchrun's agent: its ranks write their own reports
+        finish_report(config, rank)
+    except Exception:
+        _log.error("ort_autopatch could not write its report", exc_info=True)
+
+
+def finish_report(config: Config, rank: int | None) -> None:
+    """Write the JSON report and/or the text summary this process owes (rank rules apply)."""
+    data = _report.build(unmatched_patterns())
+    target = config.report
+    if target and target != "-":
+        path = _report.report_path(target, rank)
+        if path is not None:
+            _report.write(path, data)
+            if not rank:
+                _log.info("report written to %s", path)
+    wants_summary = target == "-" or logging.getLevelName(config.log_level) <= logging.INFO
+    if wants_summary and not rank:
+        sys.stderr.write(_report.summary(data) + "\n")
+        sys.stderr.flush()

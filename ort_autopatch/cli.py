@@ -1,0 +1,447 @@
+"""``python -m ort_autopatch [options] script.py [args]``: run a script exactly as ``python`` would.
+
+The script must not notice the launcher, because users copy their normal command line after it:
+it gets a fresh, real ``__main__`` module in ``sys.modules`` (pickling classes defined in the script
+and multiprocessing's spawn need one), the ``sys.argv``/``sys.path[0]``/``__file__``/``__spec__``
+python would give it, its exit status and SystemExit codes, and tracebacks that start in its own
+code. The order matters and is why this is not ``runpy``: the ``__main__`` module exists before
+anything imports multiprocessing (torch does; multiprocessing aliases ``__mp_main__`` to whatever
+``__main__`` is then), the ``-m`` spec is resolved before the import hook is installed (the hook
+wraps loaders of selected modules), and the environment for child processes (PYTHONPATH with the
+bootstrap folder, the configuration as ORT_AUTOPATCH_* variables) is set before the script starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import os
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+
+from ort_autopatch import __version__
+from ort_autopatch.config import ENV_VARS, Config, load_config
+from ort_autopatch.errors import ConfigError
+
+__all__ = ["BOOTSTRAP_DIR", "build_parser", "check", "export_environment", "main"]
+
+#: Folder holding the child-process ``sitecustomize.py``; put first on PYTHONPATH for children.
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+
+_FLAGS = frozenset({"-h", "--help", "--version", "--check", "--disable"})  # options without value
+
+_EPILOG = """\
+examples:
+  python -m ort_autopatch --modules '__main__:Net,mypkg.models:*Head' train.py --epochs 3
+  python -m ort_autopatch --modules 'transformers.models.bert.*:Bert*' -m mypkg.finetune
+  torchrun --nproc_per_node 2 -m ort_autopatch --report 'report-{rank}.json' train_ddp.py
+
+Every option has an environment variable (ORT_AUTOPATCH_MODULES for --modules, and so on; see
+the README), and a given option wins over its variable. The settings travel to every child
+Python (DataLoader workers, multiprocessing, torchrun ranks, subprocess calls to python) through
+the environment. Options go before the script; everything after it belongs to the script.
+"""
+
+
+def build_parser(prog: str = "python -m ort_autopatch") -> argparse.ArgumentParser:
+    """The launcher's options; each mirrors one ORT_AUTOPATCH_* variable."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [options] script.py [args ...]\n"
+        f"       {prog} [options] -m module [args ...]",
+        description="Run a PyTorch script unchanged; the selected torch.nn.Module classes train "
+        "through ONNX Runtime.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    env = ENV_VARS
+    add = parser.add_argument
+    add(
+        "--modules",
+        action="append",
+        metavar="PATTERNS",
+        help="classes to accelerate: comma list of 'module.path:Class' with fnmatch wildcards, "
+        f"'__main__:Net' for the script itself; repeatable [{env['modules']}]",
+    )
+    add(
+        "--exclude",
+        action="append",
+        metavar="PATTERNS",
+        help=f"classes never to accelerate (same syntax; wins) [{env['exclude']}]",
+    )
+    add(
+        "--disable",
+        action="store_true",
+        default=None,
+        help=f"install nothing; run the script plainly [{env['enabled']}=0]",
+    )
+    add(
+        "--skip-check",
+        metavar="NAMES",
+        help=f"'|'-joined SKIP_CHECK_* names (ORTModule's) [{env['skip_check']}]",
+    )
+    add(
+        "--fallback",
+        metavar="NAMES",
+        help=f"'|'-joined FALLBACK_* names (ORTModule's) [{env['fallback']}]",
+    )
+    add(
+        "--report",
+        metavar="PATH",
+        help="JSON report written at exit; '{rank}' in it gives one file per rank; "
+        f"'-' prints a text summary on stderr instead [{env['report']}]",
+    )
+    add(
+        "--log-level",
+        metavar="LEVEL",
+        help=f"DEBUG, INFO (adds the summary at exit), WARNING (default), ERROR "
+        f"[{env['log_level']}]",
+    )
+    add("--cache-dir", metavar="DIR", help=f"persistent graph cache [{env['cache_dir']}]")
+    add("--save-onnx", metavar="DIR", help=f"write exported graphs here [{env['save_onnx']}]")
+    add("--opset", metavar="N", help=f"ONNX opset for export (default 17) [{env['opset']}]")
+    add("--threads", metavar="N", help=f"ONNX Runtime intra-op threads [{env['threads']}]")
+    add(
+        "--cache-size",
+        metavar="N",
+        help=f"graphs kept per module instance (default 8) [{env['cache_size']}]",
+    )
+    add(
+        "--check",
+        action="store_true",
+        help="diagnose this environment (Python, torch, ONNX Runtime build, providers, the "
+        "parsed configuration) and exit; runs nothing",
+    )
+    add("--version", action="store_true", help="print versions of the tool, torch and ORT")
+    return parser
+
+
+class _UsageError(Exception):
+    pass
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
+    """Cut the command line into (our options, ("script"|"module", target), the script's args).
+
+    argparse cannot do this itself: the script's own options (``--epochs 3``) must never be read
+    as ours, so the cut happens at the first positional argument or at ``-m``.
+    """
+    options: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            if i + 1 >= len(argv):
+                raise _UsageError("'--' must be followed by a script")
+            return options, ("script", argv[i + 1]), list(argv[i + 2 :])
+        if token == "-m" or (token.startswith("-m") and not token.startswith("--")):
+            module = token[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            if not module:
+                raise _UsageError("argument -m: expected a module name")
+            rest = argv[i + 1 :] if token != "-m" else argv[i + 2 :]
+            return options, ("module", module), list(rest)
+        if token.startswith("-") and token != "-":
+            options.append(token)
+            if "=" not in token and token not in _FLAGS and i + 1 < len(argv):
+                options.append(argv[i + 1])
+                i += 1
+            i += 1
+            continue
+        return options, ("script", token), list(argv[i + 1 :])
+    return options, None, []
+
+
+def _cli_values(ns: argparse.Namespace) -> dict[str, object]:
+    def joined(values: list[str] | None) -> str | None:
+        return None if values is None else ",".join(values)
+
+    return {
+        "modules": joined(ns.modules),
+        "exclude": joined(ns.exclude),
+        "disable": ns.disable,
+        "skip_check": ns.skip_check,
+        "fallback": ns.fallback,
+        "report": ns.report,
+        "log_level": ns.log_level,
+        "cache_dir": ns.cache_dir,
+        "save_onnx": ns.save_onnx,
+        "opset": ns.opset,
+        "threads": ns.threads,
+        "cache_size": ns.cache_size,
+    }
+
+
+def _prog() -> str:
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m ort_autopatch" if argv0 in ("", "__main__.py", "-m", "-c") else argv0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m ort_autopatch`` and the ``ort-autopatch`` console script.
+
+    Returns the exit status for the launcher's own outcomes; the script's SystemExit and uncaught
+    exceptions propagate so that the interpreter ends the process exactly as it would without us.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = _prog()
+    parser = build_parser(prog)
+    try:
+        options, target, script_args = split_argv(argv)
+    except _UsageError as exc:
+        parser.error(str(exc))
+    ns = parser.parse_args(options)
+    if ns.version:
+        print(version_text())
+        return 0
+    try:
+        config = load_config(cli=_cli_values(ns))
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if ns.check:
+        text, ok = check(config)
+        print(text)
+        return 0 if ok else 1
+    if target is None:
+        parser.error("nothing to run: give a script (script.py [args]) or -m module [args]")
+    kind, name = target
+    return run(kind, name, script_args, config)
+
+
+def version_text() -> str:
+    """Versions from package metadata: importing torch or onnxruntime here would cost seconds."""
+    from ort_autopatch import report
+
+    v = report.versions()
+    return (
+        f"ort_autopatch {v['version']} (Python {sys.version.split()[0]}, "
+        f"torch {v['torch'] or 'not installed'}, onnxruntime {v['onnxruntime'] or 'not installed'})"
+    )
+
+
+# -- running the script -----------------------------------------------------------------------
+
+
+def run(kind: str, target: str, args: Sequence[str], config: Config) -> int:
+    """Set up ``__main__`` like python, activate, and execute the script or module."""
+    main_module = _fresh_main_module()
+    if kind == "script":
+        prepared = _prepare_script(main_module, target, args)
+    else:
+        prepared = _prepare_module(main_module, target, args)
+    if isinstance(prepared, int):
+        return prepared
+    export_environment(config)
+    from ort_autopatch.activation import activate
+
+    activate(config)
+    _execute(prepared, main_module)
+    return 0
+
+
+def _fresh_main_module() -> types.ModuleType:
+    """A real ``__main__`` registered in sys.modules, as the interpreter makes one."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __builtins__=builtins, __annotations__={}, __file__=None, __cached__=None
+    )
+    sys.modules["__main__"] = module
+    return module
+
+
+def _set_path0(entry: str) -> None:
+    # Under -P / PYTHONSAFEPATH python prepends nothing, and neither does the launcher's own
+    # entry exist to be replaced.
+    if getattr(sys.flags, "safe_path", False):
+        return
+    if sys.path:
+        sys.path[0] = entry
+    else:
+        sys.path.insert(0, entry)
+
+
+def _prepare_script(
+    module: types.ModuleType, path: str, args: Sequence[str]
+) -> types.CodeType | int:
+    filename = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    sys.argv = [path, *args]
+    if os.path.isdir(path) or _is_zipfile(path):
+        # A folder or zip archive with __main__.py: it goes on sys.path and its __main__ runs.
+        _set_path0(filename)
+        return _prepare_module(module, "__main__", args, argv0=path)
+    try:
+        with open(path, "rb") as handle:
+            source = handle.read()
+    except OSError as exc:
+        print(
+            f"{sys.executable}: can't open file {filename!r}: [Errno {exc.errno}] {exc.strerror}",
+            file=sys.stderr,
+        )
+        return 2
+    _set_path0(os.path.dirname(os.path.realpath(path)))
+    from importlib.machinery import SourceFileLoader, SourcelessFileLoader
+
+    loader: Any
+    if path.endswith(".pyc"):
+        import marshal
+
+        loader = SourcelessFileLoader("__main__", filename)
+        code: Any = marshal.loads(source[16:])
+    else:
+        loader = SourceFileLoader("__main__", filename)
+        try:
+            code = compile(source, filename, "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:
+            exc.__traceback__ = None  # python shows no frames for a script that does not compile
+            sys.excepthook(type(exc), exc, None)
+            return 1
+    module.__dict__.update(
+        __file__=filename, __loader__=loader, __spec__=None, __package__=None, __cached__=None
+    )
+    return code
+
+
+def _is_zipfile(path: str) -> bool:
+    if not os.path.isfile(path) or path.endswith((".py", ".pyc")):
+        return False
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+class _ModuleNotRunnable(ImportError):
+    pass
+
+
+def _prepare_module(
+    module: types.ModuleType, name: str, args: Sequence[str], argv0: str | None = None
+) -> types.CodeType | int:
+    import runpy
+
+    if argv0 is None:
+        sys.argv = ["-m", *args]  # what python shows while it imports the parent packages
+        _set_path0(os.getcwd())
+    # Resolved now, before install(): the import hook must not wrap this module's loader.
+    # runpy's helper is what python -m itself uses (packages, pkg.__main__, the messages).
+    get_details = runpy._get_module_details  # type: ignore[attr-defined]
+    try:
+        if name == "__main__":
+            # runpy refuses to look up a module already in sys.modules under that name.
+            saved = sys.modules.pop("__main__")
+            try:
+                _, spec, code = get_details(name, _ModuleNotRunnable)
+            finally:
+                sys.modules["__main__"] = saved
+        else:
+            _, spec, code = get_details(name, _ModuleNotRunnable)
+    except _ModuleNotRunnable as exc:
+        print(f"{sys.executable}: {exc}", file=sys.stderr)
+        return 1
+    module.__dict__.update(
+        __file__=spec.origin if spec.has_location else None,
+        __cached__=spec.cached,
+        __loader__=spec.loader,
+        __package__=spec.parent,
+        __spec__=spec,
+    )
+    if argv0 is None:
+        sys.argv[0] = spec.origin if spec.origin is not None else name
+    return code
+
+
+def _execute(code: types.CodeType, module: types.ModuleType) -> None:
+    """Run the user's code; on an uncaught exception, hand python a traceback that starts there."""
+    try:
+        exec(code, module.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        _trim_traceback_for_excepthook(exc, code)
+        raise  # the interpreter prints it, exits 1, or dies of SIGINT for KeyboardInterrupt
+
+
+def _trim_traceback_for_excepthook(exc: BaseException, code: types.CodeType) -> None:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not code:
+        tb = tb.tb_next
+    if tb is None:
+        return  # not raised through the user's code: show every frame
+    trimmed = tb
+    previous = sys.excepthook  # the script may have installed its own; it still gets called
+
+    def excepthook(kind: type[BaseException], value: BaseException, full: Any) -> None:
+        sys.excepthook = previous
+        if value is exc:
+            value.__traceback__ = full = trimmed
+        previous(kind, value, full)
+
+    sys.excepthook = excepthook
+
+
+def export_environment(config: Config) -> None:
+    """Make every child Python activate with this configuration (see bootstrap/)."""
+    os.environ.update(config.to_env())
+    current = os.environ.get("PYTHONPATH", "")
+    if current.split(os.pathsep)[0] != BOOTSTRAP_DIR:
+        os.environ["PYTHONPATH"] = (
+            BOOTSTRAP_DIR + os.pathsep + current if current else BOOTSTRAP_DIR
+        )
+
+
+# -- --check --------------------------------------------------------------------------------------
+
+
+def check(config: Config) -> tuple[str, bool]:
+    """A short diagnosis: can this interpreter accelerate, and with which settings.
+
+    Returns the text and whether acceleration is possible. Imports torch and (through the
+    engine's loader) onnxruntime, since the question is whether they work.
+    """
+    import platform
+
+    lines = [f"ort_autopatch {__version__} --check"]
+    row = "  {:<14}{}".format
+    lines.append(row("Python", f"{platform.python_version()} ({sys.executable})"))
+    problems: list[str] = []
+    try:
+        import torch
+
+        cuda = "CUDA available" if torch.cuda.is_available() else "no CUDA device"
+        lines.append(row("torch", f"{torch.__version__} ({cuda})"))
+    except Exception as exc:  # a broken torch is exactly what --check is for
+        lines.append(row("torch", f"cannot import: {exc}"))
+        problems.append(f"torch does not import: {exc}")
+    from ort_autopatch.engine import runtime
+
+    found = runtime.installed_distributions()
+    training = [n for n in found if n in runtime.TRAINING_DISTRIBUTIONS]
+    inference = [n for n in found if n in runtime.INFERENCE_DISTRIBUTIONS]
+    if not found:
+        lines.append(row("ONNX Runtime", "not installed"))
+    for name in found:
+        kind = "training build" if name in training else "inference-only build"
+        lines.append(row("ONNX Runtime", f"{name} {found[name]} ({kind})"))
+    if training and inference:
+        problems.append(
+            f"{', '.join(inference)} and {', '.join(training)} are both installed and share the "
+            f"'onnxruntime' package; the last one installed wins. Uninstall {', '.join(inference)}"
+        )
+    reason = runtime.unavailable_reason()
+    if reason is not None:
+        problems.append(reason)
+    else:
+        try:
+            providers = runtime.available_providers()
+            lines.append(row("providers", ", ".join(providers)))
+        except Exception as exc:
+            problems.append(f"ONNX Runtime does not load: {exc}")
+    ok = not problems
+    lines.append(row("accelerate", "yes" if ok else "no"))
+    lines.extend(f"  problem: {p}" for p in problems)
+    lines.append("  configuration (options > ORT_AUTOPATCH_* > pyproject.toml > defaults):")
+    for variable, value in config.to_env().items():
+        lines.append(f"    {variable}={value}")
+    return "\n".join(lines), ok

@@ -1,0 +1,50 @@
+"""Running Python and the launcher in subprocesses, with a clean, bounded environment."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PY = sys.executable
+LAUNCHER = (PY, "-m", "ort_autopatch")
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment minus our variables, with the repo importable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ORT_AUTOPATCH", "ORTMODULE_"))
+        and k not in ("PYTHONPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE", "PYTHONSAFEPATH")
+    }
+    env.update(PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE", PYTHONHASHSEED="0")
+    env.update(extra or {})
+    return env
+
+
+def run(
+    args: Sequence[str],
+    cwd: os.PathLike[str] | str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args),
+        cwd=cwd,
+        env=clean_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,61 @@
+"""The examples users copy run through the launcher and really train in ORT."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from tests.proc_helpers import LAUNCHER, REPO, run
+
+
+def _classes(path: pathlib.Path) -> dict[str, dict[str, object]]:
+    classes: dict[str, dict[str, object]] = json.loads(path.read_text())["classes"]
+    return classes
+
+
+def test_train_mlp_example_shows_the_summary(tmp_path: pathlib.Path) -> None:
+    result = run(
+        [
+            *LAUNCHER,
+            "--modules",
+            "__main__:Net",
+            "--log-level",
+            "INFO",
+            "--report",
+            str(tmp_path / "r.json"),
+            str(REPO / "examples" / "train_mlp.py"),
+            "--steps",
+            "5",
+        ],
+        cwd=tmp_path,
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "train accuracy" in result.stdout
+    assert "__main__:Net" in result.stderr and "summary" in result.stderr
+    net = _classes(tmp_path / "r.json")["__main__:Net"]
+    assert (net["ort_calls"], net["eager_calls"]) == (6, 0)
+
+
+def test_hf_trainer_example(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # Trainer needs it
+    name = "transformers.models.bert.modeling_bert:BertForSequenceClassification"
+    result = run(
+        [
+            *LAUNCHER,
+            "--modules",
+            name,
+            "--report",
+            str(tmp_path / "r.json"),
+            str(REPO / "examples" / "hf_trainer.py"),
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "trained 6 steps" in result.stdout
+    bert = _classes(tmp_path / "r.json")[name]
+    assert (bert["ort_calls"], bert["eager_calls"], bert["exports"]) == (6, 0, 1)

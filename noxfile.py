@@ -38,9 +38,19 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """Train a small model eagerly and through ONNX Runtime, side by side."""
+    """Run an unchanged training script through the launcher; the summary says what ran in ORT."""
     _install(session)
-    session.run("python", "examples/demo_engine.py", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "ort_autopatch",
+        "--modules",
+        "__main__:Net",
+        "--report",
+        "-",
+        "examples/train_mlp.py",
+        *session.posargs,
+    )
 
 
 @nox.session(python=PYTHON)
@@ -49,4 +59,5 @@ def bench(session: nox.Session) -> None:
     _install(session, "psutil", TRANSFORMERS)
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
     session.run("python", "benchmarks/bench_import_hook.py")
+    session.run("python", "benchmarks/bench_launcher.py")
     session.run("python", "benchmarks/bench_dispatch.py")

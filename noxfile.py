@@ -13,6 +13,7 @@ PYTHON = "3.11"
 # unpinned torch) downloads a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 TRANSFORMERS = "transformers==4.57.6"
+ACCELERATE = "accelerate==1.15.0"  # transformers' Trainer needs it (examples/hf_trainer.py)
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -23,7 +24,7 @@ def _install(session: nox.Session, *extra: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite (CPU, onnxruntime-training-cpu)."""
-    _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy")
+    _install(session, "pytest", "pytest-timeout", TRANSFORMERS, ACCELERATE, "numpy")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 

@@ -30,7 +30,6 @@ __all__ = ["BOOTSTRAP_DIR", "build_parser", "check", "export_environment", "main
 #: Folder holding the child-process ``sitecustomize.py``; put first on PYTHONPATH for children.
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
-_FLAGS = frozenset({"-h", "--help", "--version", "--check", "--disable"})  # options without value
 
 _EPILOG = """\
 examples:
@@ -115,6 +114,11 @@ def build_parser(prog: str = "python -m ort_autopatch") -> argparse.ArgumentPars
         help="diagnose this environment (Python, torch, ONNX Runtime build, providers, the "
         "parsed configuration) and exit; runs nothing",
     )
+    add(
+        "--clear-cache",
+        action="store_true",
+        help="empty the persistent graph cache (--cache-dir or ORT_AUTOPATCH_CACHE_DIR) and exit",
+    )
     add("--version", action="store_true", help="print versions of the tool, torch and ORT")
     return parser
 
@@ -123,12 +127,21 @@ class _UsageError(Exception):
     pass
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
+def split_argv(
+    argv: Sequence[str], parser: argparse.ArgumentParser | None = None
+) -> tuple[list[str], tuple[str, str] | None, list[str]]:
     """Cut the command line into (our options, ("script"|"module", target), the script's args).
 
     argparse cannot do this itself: the script's own options (``--epochs 3``) must never be read
-    as ours, so the cut happens at the first positional argument or at ``-m``.
+    as ours, so the cut happens at the first positional argument or at ``-m``. Which options
+    take no value comes from the parser itself.
     """
+    flags = {
+        option
+        for action in (parser or build_parser())._actions
+        if action.nargs == 0
+        for option in action.option_strings
+    }
     options: list[str] = []
     i = 0
     while i < len(argv):
@@ -145,7 +158,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None, 
             return options, ("module", module), list(rest)
         if token.startswith("-") and token != "-":
             options.append(token)
-            if "=" not in token and token not in _FLAGS and i + 1 < len(argv):
+            if "=" not in token and token not in flags and i + 1 < len(argv):
                 options.append(argv[i + 1])
                 i += 1
             i += 1
@@ -189,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = _prog()
     parser = build_parser(prog)
     try:
-        options, target, script_args = split_argv(argv)
+        options, target, script_args = split_argv(argv, parser)
     except _UsageError as exc:
         parser.error(str(exc))
     ns = parser.parse_args(options)
@@ -205,10 +218,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, ok = check(config)
         print(text)
         return 0 if ok else 1
+    if ns.clear_cache:
+        return clear_cache(config, prog)
     if target is None:
         parser.error("nothing to run: give a script (script.py [args]) or -m module [args]")
     kind, name = target
     return run(kind, name, script_args, config)
+
+
+def clear_cache(config: Config, prog: str) -> int:
+    """Remove every entry of the persistent graph cache; status 2 when none is configured."""
+    if config.cache_dir is None:
+        print(
+            f"{prog}: error: --clear-cache needs a cache folder: give --cache-dir DIR or set "
+            f"{ENV_VARS['cache_dir']}",
+            file=sys.stderr,
+        )
+        return 2
+    from ort_autopatch.engine.store import GraphStore
+
+    removed = GraphStore(config.cache_dir).clear() if config.cache_dir.exists() else 0
+    print(f"removed {removed} cached graph group(s) from {config.cache_dir}")
+    return 0
 
 
 def version_text() -> str:

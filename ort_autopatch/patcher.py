@@ -231,6 +231,13 @@ class _Instance:
         reason = _needs_eager(module, engine)
         if reason is not None:
             self.stats.eager_calls[reason] += 1
+            if (self.name, reason) not in _warned and reason.startswith("DataParallel"):
+                _warned.add((self.name, reason))
+                log.warning(
+                    "%s runs in PyTorch under nn.DataParallel, which rebuilds the module on "
+                    "every step; wrap it in DistributedDataParallel to train through ORT",
+                    self.name,
+                )
             return eager(module, *args, **kwargs)
         hooked = bool(module._forward_pre_hooks or module._forward_hooks)
         if hooked:
@@ -275,8 +282,12 @@ class _Instance:
         records = engine.records
         if len(records) != self._builds_seen:
             for record in records[self._builds_seen :]:
-                self.stats.exports += 1
+                if record.from_disk:
+                    self.stats.cache_loads += 1
+                else:
+                    self.stats.exports += 1
                 self.stats.export_seconds += record.export_seconds
+                self.stats.build_seconds += record.build_seconds
                 if record.reason != "first call":
                     self.stats.rebuilds[record.reason] += 1
             self._builds_seen = len(records)
@@ -466,6 +477,10 @@ def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
     """Why this call cannot go to ORT at all, or None."""
     from torch.nn.modules import module as module_mod
 
+    if getattr(module, "_is_replica", False):
+        # nn.DataParallel replicates the module on every forward: each replica would be a
+        # new instance with a new export per step.
+        return "DataParallel replica (use DistributedDataParallel)"
     if (
         module_mod._global_forward_hooks
         or module_mod._global_forward_pre_hooks

@@ -15,9 +15,11 @@ class ClassStats:
     ort_calls: int = 0
     eager_calls: Counter[str] = field(default_factory=Counter)
     exports: int = 0
+    cache_loads: int = 0  # graphs loaded from the persistent cache instead of exported
     rebuilds: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[tuple[str, str]] = field(default_factory=Counter)
     export_seconds: float = 0.0
+    build_seconds: float = 0.0  # gradient build and session creation (or loading from disk)
     ignored_writes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -28,11 +30,13 @@ class ClassStats:
             "eager_calls": sum(self.eager_calls.values()),
             "eager_reasons": [{"reason": r, "count": c} for r, c in self.eager_calls.items()],
             "exports": self.exports,
+            "cache_loads": self.cache_loads,
             "rebuilds": [{"reason": r, "count": c} for r, c in self.rebuilds.items()],
             "fallbacks": [
                 {"reason": r, "detail": d, "count": c} for (r, d), c in self.fallbacks.items()
             ],
             "export_seconds": round(self.export_seconds, 4),
+            "build_seconds": round(self.build_seconds, 4),
             "ignored_writes": self.ignored_writes,
         }
 
@@ -152,13 +156,15 @@ def summary(data: dict[str, Any], max_classes: int = 12) -> str:
         width = min(max(len(name) for name in classes), 48)
         lines.append(
             f"  {'class':<{width}} {'inst':>5} {'ORT calls':>10} {'eager':>7} "
-            f"{'exports':>8} {'export s':>9}"
+            f"{'exports':>8} {'cached':>7} {'build s':>8}"
         )
         shown = sorted(classes.items())[:max_classes]
         for name, c in shown:
+            seconds = c["export_seconds"] + c.get("build_seconds", 0.0)
             lines.append(
                 f"  {_clip_left(name, width):<{width}} {c['instances']:>5} {c['ort_calls']:>10} "
-                f"{c['eager_calls']:>7} {c['exports']:>8} {c['export_seconds']:>9.2f}"
+                f"{c['eager_calls']:>7} {c['exports']:>8} {c.get('cache_loads', 0):>7} "
+                f"{seconds:>8.2f}"
             )
             why = [f"rebuilt: {r['reason']} x{r['count']}" for r in c.get("rebuilds", [])]
             why += [

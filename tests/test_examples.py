@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-import pytest
-
 from tests.proc_helpers import LAUNCHER, REPO, run
 
 
@@ -40,8 +38,6 @@ def test_train_mlp_example_shows_the_summary(tmp_path: pathlib.Path) -> None:
 
 
 def test_hf_trainer_example(tmp_path: pathlib.Path) -> None:
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # Trainer needs it
     name = "transformers.models.bert.modeling_bert:BertForSequenceClassification"
     result = run(
         [

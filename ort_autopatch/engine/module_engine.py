@@ -253,7 +253,7 @@ class ModuleEngine:
         same_mode = self._last_in_mode.get(base[:2])
         if same_mode is None:
             last = self._last_base
-            if last is not None and last[0] != base[0]:
+            if last is not None and last[1] == base[1]:
                 return "gradient mode changed"
             return "train/eval mode changed"
         if same_mode[2] != base[2]:

@@ -1,0 +1,126 @@
+"""The exit report of a real run: counters and reasons a user reads without reading code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.scale = 1.0
+        self.step = 0
+
+    def forward(self, x, extra=None):
+        return self.fc(x) * self.scale
+
+
+net = Net()
+x = torch.randn(3, 4)
+for _ in range(3):
+    net(x).sum().backward()
+    net.step += 1            # never read by forward: counted, no re-export
+net.scale = 2.0              # read by forward: one re-export
+net(x).sum().backward()
+for _ in range(2):
+    net(x, extra=object())   # cannot be a graph input: falls back, warned once
+"""
+
+
+def _launch(
+    tmp_path: Path, *options: str, cache: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    if cache is not None:
+        env["ORT_AUTOPATCH_CACHE_DIR"] = str(cache)
+    return subprocess.run(
+        [sys.executable, "-m", "ort_autopatch", *options, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def test_the_report_names_exports_rebuilds_fallbacks_and_unmatched_patterns(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    result = _launch(
+        tmp_path, "--modules", "__main__:Net,nowhere.models:Missing", "--report", str(report)
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert {"version", "torch", "onnxruntime", "classes", "unmatched"} <= set(data)
+    net = data["classes"]["__main__:Net"]
+    assert net["instances"] == 1
+    assert net["ort_calls"] == 4 and net["eager_calls"] == 2
+    assert net["exports"] == 2 and net["ignored_writes"] == 3
+    assert net["rebuilds"] == [{"reason": "attribute Net.scale written", "count": 1}]
+    (fallback,) = net["fallbacks"]
+    assert fallback["reason"] == "unsupported input" and fallback["count"] == 2
+    assert "extra" in fallback["detail"]
+    assert net["export_seconds"] > 0 and net["build_seconds"] > 0
+    assert data["unmatched"] == ["nowhere.models:Missing"]
+    assert result.stderr.count("runs in PyTorch (unsupported input)") == 1
+
+
+def test_the_text_summary_is_one_compact_table(tmp_path: Path) -> None:
+    result = _launch(tmp_path, "--modules", "__main__:Net", "--report", "-")
+    assert result.returncode == 0, result.stderr
+    summary = result.stderr[result.stderr.index("ort_autopatch ") :]
+    assert "__main__:Net" in summary
+    assert "rebuilt: attribute Net.scale written x1" in summary
+    assert "fell back: unsupported input" in summary
+    assert len(summary.splitlines()) < 25
+
+
+def test_a_second_run_loads_its_graphs_from_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    report = tmp_path / "report.json"
+    options = ("--modules", "__main__:Net", "--report", str(report))
+    assert _launch(tmp_path, *options, cache=cache).returncode == 0
+    result = _launch(tmp_path, *options, cache=cache)
+    assert result.returncode == 0, result.stderr
+    net = json.loads(report.read_text())["classes"]["__main__:Net"]
+    assert net["exports"] == 0 and net["cache_loads"] == 2
+    assert net["rebuilds"] == [{"reason": "attribute Net.scale written", "count": 1}]
+
+
+def test_clear_cache_empties_the_folder(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert _launch(tmp_path, "--modules", "__main__:Net", cache=cache).returncode == 0
+    assert any(cache.iterdir())
+    result = subprocess.run(
+        [sys.executable, "-m", "ort_autopatch", "--clear-cache", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0 and "removed 1" in result.stdout
+    assert not any(cache.iterdir())
+
+
+def test_clear_cache_without_a_folder_says_how_to_name_one(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ort_autopatch", "--clear-cache"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2
+    assert "--cache-dir" in result.stderr and "ORT_AUTOPATCH_CACHE_DIR" in result.stderr

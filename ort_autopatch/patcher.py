@@ -225,7 +225,7 @@ class _Instance:
         settings = _settings
         if self.engine is None:
             self.engine = ModuleEngine(
-                module, settings.engine, forward=self._recording_forward, guards=self
+                module, settings.engine, forward=self._recording_forward, guards=self, weak=True
             )
         engine = self.engine
         reason = _needs_eager(module, engine)
@@ -489,7 +489,7 @@ def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
         or module._backward_pre_hooks
     ):
         return "backward or global hooks"
-    for sub in engine.submodules[1:]:
+    for sub in engine.submodules:
         if (
             sub._forward_hooks
             or sub._forward_pre_hooks

@@ -3,6 +3,7 @@ PyTorch's autograd."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,15 @@ from ort_autopatch.engine.session import InferenceProgram, TrainingProgram
 class BatchNormUpdate:
     """Where one BatchNorm's batch statistics land among the forward outputs."""
 
-    module: torch.nn.modules.batchnorm._BatchNorm
+    module: weakref.ref[torch.nn.modules.batchnorm._BatchNorm]  # weak: it may be the root
     mean_index: int
     var_index: int  # the unbiased batch variance
 
     def apply(self, outputs: Sequence[torch.Tensor]) -> None:
         """PyTorch's running-stat rule, momentum=None (cumulative average) included."""
-        bn = self.module
+        bn = self.module()
+        if bn is None:
+            return
         tracked = bn.num_batches_tracked
         if tracked is not None:
             tracked.add_(1)

@@ -16,6 +16,12 @@ class _Failed:
     __slots__ = ("error",)
 
     def __init__(self, error: BaseException) -> None:
+        # Tracebacks hold the frames of the failed build, and with them the module: a
+        # remembered failure must not keep a model alive.
+        link: BaseException | None = error
+        while link is not None:
+            link.__traceback__ = None
+            link = link.__cause__ or link.__context__
         self.error = error
 
 

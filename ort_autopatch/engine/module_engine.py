@@ -120,8 +120,9 @@ def _default_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 class ModuleEngine:
     """Runs calls of one module instance through cached ONNX Runtime graphs.
 
-    Holds the module weakly, so caching an engine per instance never keeps a model alive.
     `forward(module, *args, **kwargs)` is what gets exported (default: `module.forward`).
+    With `weak=True` the engine holds its module only weakly, so an engine cached per instance
+    (in a WeakKeyDictionary, as the patcher does) never keeps a model alive.
     """
 
     def __init__(
@@ -130,9 +131,11 @@ class ModuleEngine:
         options: EngineOptions | None = None,
         forward: Callable[..., Any] | None = None,
         guards: Guards | None = None,
+        weak: bool = False,
     ) -> None:
         self.options = options or EngineOptions()
         self._module = weakref.ref(module)
+        self._strong = None if weak else module
         self._cls = type(module).__qualname__
         self._forward = forward or _default_forward
         self._guards = guards
@@ -142,7 +145,7 @@ class ModuleEngine:
         self._lock = threading.Lock()
         self.records: list[BuildRecord] = []
         self._pending_reason: str | None = "first call"
-        self._trusted: dict[tuple[bool, bool], _Entry] = {}
+        self._trusted: dict[tuple[bool, bool], Hashable] = {}  # mode -> key last used
         self._built: set[Hashable] = set()
         self._last_base: tuple[Any, ...] | None = None
         self._last_in_mode: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -164,7 +167,7 @@ class ModuleEngine:
 
     @property
     def submodules(self) -> list[torch.nn.Module]:
-        """Every module of the tree as of the last structural check, the root first."""
+        """Every module below the root as of the last structural check."""
         return self._state.modules
 
     def invalidate(self, reason: str = "marked stale") -> None:
@@ -204,8 +207,8 @@ class ModuleEngine:
         if module is None:  # pragma: no cover - the caller holds the module
             raise ReferenceError("the module was garbage collected")
         mode = (torch.is_grad_enabled(), module.training)
-        if trust_last:
-            trusted = self._trusted.get(mode)
+        if trust_last and mode in self._trusted:
+            trusted = self._cache.get(self._trusted[mode])  # None once evicted
             if trusted is not None:
                 call = signature.flatten_call(self._cls, args, kwargs, check_devices)
                 return trusted.run(self._state, call)
@@ -234,10 +237,11 @@ class ModuleEngine:
             settled = self._key(base, call)
             if settled != key:
                 self._cache.rekey(key, settled)
-            self._built.add(settled)
+                key = settled
+            self._built.add(key)
         self._last_base = base
         self._last_in_mode[base[:2]] = base
-        self._trusted[mode] = entry
+        self._trusted[mode] = key
         return entry.run(state, call)
 
     def _key(self, base: Hashable, call: signature.FlatCall) -> Hashable:
@@ -459,9 +463,9 @@ class ModuleEngine:
 
         batch_norms = []
         for name, mean_index, var_index in recipe.batch_norms:
-            bn = state.by_name.get(name)
+            bn = state.module_named(name)
             if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                batch_norms.append(bridge.BatchNormUpdate(bn, mean_index, var_index))
+                batch_norms.append(bridge.BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
         step = bridge.Step(self._cls, recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
         capture = self._store is not None and recipe.optimized is None
         if recipe.gradient is not None:
@@ -656,7 +660,7 @@ def _embedding_padding(state: ModuleState, state_names: dict[str, str]) -> dict[
     """Graph input name of each nn.Embedding weight with a padding_idx -> that index."""
     by_qualified = {q: g for g, q in state_names.items()}
     found: dict[str, int] = {}
-    for name, module in state.by_name.items():
+    for name, module in state.named_modules():
         if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
             weight = f"{name}.weight" if name else "weight"
             index = state.index.get(weight)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,14 @@ class SessionSettings:
 
     threads: int | None = None
     spinning: bool = False
+
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def live_sessions() -> int:
+    """ONNX Runtime sessions this process still holds (for leak checks and reports)."""
+    return len(_live)
 
 
 def _session_options(settings: SessionSettings, training: bool) -> Any:
@@ -101,6 +110,7 @@ def _session(
                 f"ONNX Runtime rejected the graph: {str(exc).strip().splitlines()[0][:300]}",
                 "Run this class eagerly (the default fallback policy does) and report the model",
             ) from exc
+        _live.add(session)
         captured = None
         if target is not None and os.path.exists(target):
             with open(target, "rb") as handle:

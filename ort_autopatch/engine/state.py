@@ -8,6 +8,8 @@ loop of identity tests, a few hundred nanoseconds per tensor.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,11 +20,14 @@ class ModuleState:
 
     def __init__(self, root: torch.nn.Module) -> None:
         named = list(root.named_modules())
-        self.modules: list[torch.nn.Module] = [m for _, m in named]
-        self.by_name: dict[str, torch.nn.Module] = dict(named)
+        # The root is held weakly: the engine lives in a WeakKeyDictionary keyed by it, and a
+        # strong reference from the value would keep every model (and its sessions) alive.
+        self._root = weakref.ref(root)
+        self.modules: list[torch.nn.Module] = [m for _, m in named[1:]]  # below the root
+        self._by_name: dict[str, torch.nn.Module] = dict(named[1:])
         self.edges: list[tuple[dict[str, Any], str, Any]] = [
             (parent._modules, name, child)
-            for parent in self.modules
+            for parent in (root, *self.modules)
             for name, child in parent._modules.items()
         ]
         self.names: list[str] = []
@@ -72,14 +77,21 @@ class ModuleState:
         return "module structure changed"
 
     def training_flags(self) -> tuple[bool, ...]:
-        return tuple(m.training for m in self.modules)
+        root = self._root()
+        return (root is not None and root.training, *(m.training for m in self.modules))
+
+    def module_named(self, name: str) -> torch.nn.Module | None:
+        """The submodule `name` ("" for the root) as of the snapshot."""
+        return self._root() if name == "" else self._by_name.get(name)
+
+    def named_modules(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        root = self._root()
+        if root is not None:
+            yield "", root
+        yield from self._by_name.items()
 
     def requires_grad_flags(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
 
     def devices(self) -> set[torch.device]:
         return {t.device for t in self.tensors}
-
-    def owner_of(self, qualified: str) -> torch.nn.Module:
-        """The submodule holding the parameter or buffer named `qualified`."""
-        return self.by_name[qualified.rsplit(".", 1)[0] if "." in qualified else ""]

@@ -18,10 +18,15 @@ class _Failed:
     def __init__(self, error: BaseException) -> None:
         # Tracebacks hold the frames of the failed build, and with them the module: a
         # remembered failure must not keep a model alive.
-        link: BaseException | None = error
-        while link is not None:
+        seen: set[int] = set()
+        pending: list[BaseException | None] = [error]
+        while pending:
+            link = pending.pop()
+            if link is None or id(link) in seen:
+                continue  # chains can loop (a context that is also a cause)
+            seen.add(id(link))
             link.__traceback__ = None
-            link = link.__cause__ or link.__context__
+            pending += [link.__cause__, link.__context__]
         self.error = error
 
 

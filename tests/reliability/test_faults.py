@@ -1,0 +1,278 @@
+"""Faults injected at every stage: the run survives (fallback or typed error), the module's
+state is what eager would have left, the next call works, and no half-built graph stays."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch import patcher, report
+from ort_autopatch.engine import EngineError, EngineOptions, ExecutionError, module_engine, runtime
+from ort_autopatch.policy import Fallback
+
+
+class Net(nn.Module):
+    """Parameters, BatchNorm buffers, no dropout: every piece of state is comparable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16, bias=False)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+@pytest.fixture(autouse=True)
+def _patched() -> Iterator[None]:
+    report.reset()
+    module_engine._stores.clear()
+    patcher.patch(Net)
+    yield
+    patcher.unpatch_all()
+    patcher.configure(patcher.Settings())
+
+
+def _state(model: nn.Module) -> dict[str, Any]:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {
+            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+        },
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "torch_rng": torch.random.get_rng_state(),
+        "random": random.getstate(),
+        "numpy": np.random.get_state()[1].copy(),
+    }
+
+
+def _assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for group in ("params", "grads", "buffers"):
+        for name, value in want[group].items():
+            if value is None:
+                assert got[group][name] is None, f"{group} {name}"
+            else:
+                torch.testing.assert_close(got[group][name], value, msg=f"{group} {name}")
+    assert torch.equal(got["torch_rng"], want["torch_rng"])
+    assert got["random"] == want["random"]
+    assert np.array_equal(got["numpy"], want["numpy"])
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    out.sum().backward()
+    return out
+
+
+def _eager_step(twin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = twin.forward(x)
+    out.sum().backward()
+    return out
+
+
+def _pair() -> tuple[Net, Net, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    return model, copy.deepcopy(model), torch.randn(6, 8)
+
+
+def _no_half_built_entry(model: nn.Module) -> None:
+    engine = patcher._instances[model].engine
+    for value in engine._cache._entries.values():
+        assert not hasattr(value, "program") or value.program is not None
+
+
+def _export_failing_midway(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    def broken(model: nn.Module, args: tuple[Any, ...], *a: Any, **k: Any) -> None:
+        model(*args)  # the trace ran forward (BatchNorm stats moved, RNG advanced)...
+        torch.rand(3)
+        random.random()
+        raise error  # ...then the exporter failed
+
+    monkeypatch.setattr(torch.onnx, "export", broken)
+
+
+class _BrokenBuilder:
+    def initialize(self, *args: Any) -> None:
+        raise RuntimeError("injected: gradient builder failed")
+
+
+def _failing(name: str, error: BaseException) -> Callable[..., Any]:
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    fail.__name__ = name
+    return fail
+
+
+class _AgentProxy:
+    """A TrainingAgent whose forward or backward fails on demand."""
+
+    fail_forward: BaseException | None = None
+    fail_backward: BaseException | None = None
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def run_forward(self, *args: Any) -> None:
+        if _AgentProxy.fail_forward is not None:
+            raise _AgentProxy.fail_forward
+        self._agent.run_forward(*args)
+
+    def run_backward(self, *args: Any) -> None:
+        if _AgentProxy.fail_backward is not None:
+            raise _AgentProxy.fail_backward
+        self._agent.run_backward(*args)
+
+
+@pytest.fixture
+def agent_faults(monkeypatch: pytest.MonkeyPatch) -> type[_AgentProxy]:
+    capi = runtime.capi()
+    real = capi.TrainingAgent
+    monkeypatch.setattr(capi, "TrainingAgent", lambda *a: _AgentProxy(real(*a)))
+    _AgentProxy.fail_forward = _AgentProxy.fail_backward = None
+    return _AgentProxy
+
+
+def _fallback_leaves_eager_state(model: Net, twin: Net, x: torch.Tensor) -> None:
+    out = _step(model, x)
+    expected = _eager_step(twin, x)
+    torch.testing.assert_close(out, expected)
+    _assert_same_state(_state(model), _state(twin))
+
+
+def test_export_failing_midway_falls_back_with_eager_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, twin, x = _pair()
+    _export_failing_midway(monkeypatch, RuntimeError("injected: exporter failed"))
+    _fallback_leaves_eager_state(model, twin, x)
+    assert _stats()["fallbacks"][0]["reason"] == "export failed"
+    _fallback_leaves_eager_state(model, twin, x)  # the next call works (in PyTorch)
+
+
+def test_gradient_builder_failing_falls_back_with_eager_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, twin, x = _pair()
+    monkeypatch.setattr(runtime.capi(), "OrtModuleGraphBuilder", _BrokenBuilder)
+    _fallback_leaves_eager_state(model, twin, x)
+    assert _stats()["fallbacks"][0]["reason"] == "gradient build failed"
+    _fallback_leaves_eager_state(model, twin, x)
+
+
+def test_session_creation_failing_falls_back_with_eager_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, twin, x = _pair()
+    ort, _ = runtime.load()
+    monkeypatch.setattr(
+        ort, "InferenceSession", _failing("InferenceSession", RuntimeError("injected"))
+    )
+    _fallback_leaves_eager_state(model, twin, x)
+    assert _stats()["fallbacks"][0]["reason"] == "session creation failed"
+
+
+def test_ort_failing_inside_forward_falls_back_and_the_next_call_runs_in_ort(
+    agent_faults: type[_AgentProxy],
+) -> None:
+    model, twin, x = _pair()
+    _step(model, x), _eager_step(twin, x)  # built and working
+    agent_faults.fail_forward = RuntimeError("injected: ORT forward failed")
+    _fallback_leaves_eager_state(model, twin, x)
+    agent_faults.fail_forward = None
+    calls = _stats()["ort_calls"]
+    _fallback_leaves_eager_state(model, twin, x)
+    assert _stats()["ort_calls"] == calls + 1
+    _no_half_built_entry(model)
+
+
+def test_ort_failing_inside_backward_raises_typed_and_writes_no_gradient(
+    agent_faults: type[_AgentProxy],
+) -> None:
+    model, twin, x = _pair()
+    _step(model, x), _eager_step(twin, x)
+    model.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+    agent_faults.fail_backward = RuntimeError("injected: ORT backward failed")
+    out = model(x)
+    with pytest.raises(ExecutionError, match="backward failed"):
+        out.sum().backward()
+    twin.forward(x)  # eager's forward moved the same BatchNorm statistics
+    _assert_same_state(_state(model), _state(twin))  # no gradient was written
+    agent_faults.fail_backward = None
+    _fallback_leaves_eager_state(model, twin, x)
+
+
+def test_fallback_disable_raises_the_typed_error_and_leaves_state_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+    model, _, x = _pair()
+    before = _state(model)
+    _export_failing_midway(monkeypatch, RuntimeError("injected: exporter failed"))
+    with pytest.raises(EngineError, match="export failed"):
+        model(x)
+    _assert_same_state(_state(model), before)
+
+
+def test_keyboard_interrupt_during_export_propagates_and_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, twin, x = _pair()
+    before = _state(model)
+    with monkeypatch.context() as patch:
+        _export_failing_midway(patch, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+    _assert_same_state(_state(model), before)
+    assert not patcher._instances[model].engine._cache._entries  # nothing half-built
+    out = _step(model, x)  # the next call exports and runs in ORT
+    torch.testing.assert_close(out, _eager_step(twin, x))
+    assert _stats()["ort_calls"] == 1
+
+
+def test_keyboard_interrupt_during_a_step_propagates_and_the_next_call_works(
+    agent_faults: type[_AgentProxy],
+) -> None:
+    model, twin, x = _pair()
+    _step(model, x), _eager_step(twin, x)
+    before = _state(model)
+    agent_faults.fail_forward = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    _assert_same_state(_state(model), before)
+    agent_faults.fail_forward = None
+    _fallback_leaves_eager_state(model, twin, x)
+    _no_half_built_entry(model)
+
+
+def test_a_cache_folder_turning_unwritable_mid_run_only_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    patcher.configure(patcher.Settings(engine=EngineOptions(cache_dir=cache)))
+    model, twin, x = _pair()
+    _fallback_leaves_eager_state(model, twin, x)
+    # Unwritable for root too: the folder is gone and a file holds its name.
+    shutil.rmtree(cache)
+    cache.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        model.eval(), twin.eval()
+        with torch.no_grad():  # a new graph, which cannot be stored
+            torch.testing.assert_close(model(x), twin.forward(x))
+    assert any("cannot write the graph cache" in r.getMessage() for r in caplog.records)
+    assert _stats()["fallbacks"] == [] and _stats()["ort_calls"] == 2
+
+
+def _stats() -> dict[str, Any]:
+    return report.snapshot()[patcher.class_name(Net)]

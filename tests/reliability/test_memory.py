@@ -1,0 +1,166 @@
+"""Long runs and memory: bounded caches, sessions that die with their model, no stashed
+activations left behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ort_autopatch import patcher, report
+from ort_autopatch.engine import EngineOptions, session
+from tests.reliability.models import Encoder, Mlp, TinyLM, rss_mb
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _patched() -> object:
+    report.reset()
+    for cls in (Encoder, TinyLM, Mlp):
+        patcher.patch(cls)
+    yield
+    patcher.unpatch_all()
+    patcher.configure(patcher.Settings())
+
+
+def _engine(model: torch.nn.Module) -> object:
+    return patcher._instances[model].engine
+
+
+def test_deleting_a_model_and_its_optimizer_frees_its_sessions() -> None:
+    before = session.live_sessions()
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(6, 8)).sum().backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(6, 8))
+    assert session.live_sessions() == before + 2
+    del model, opt
+    gc.collect()
+    assert session.live_sessions() == before
+    assert len(patcher._instances) == 0
+
+
+def test_sessions_alive_equal_cached_graphs_under_a_small_bound() -> None:
+    patcher.configure(patcher.Settings(engine=EngineOptions(cache_size=2)))
+    before = session.live_sessions()
+    model = Mlp()
+    for rank_extra in range(4):  # four signatures (ranks) through a 2-graph cache
+        shape = (6, 8) if rank_extra % 2 == 0 else (2, 6, 8)
+        x = torch.randn(*shape)
+        out = model(x) if x.dim() == 2 else torch.stack([model(row) for row in x])
+        out.sum().backward()
+        del out
+        gc.collect()
+        engine = _engine(model)
+        assert engine.cached_graphs <= 2
+        assert session.live_sessions() - before == engine.cached_graphs
+
+
+def test_forward_without_backward_frees_its_activations() -> None:
+    model = Encoder(128)
+    x = torch.randn(16, 32, 128)
+    model(x)  # build
+    gc.collect()
+    start = rss_mb()
+    for _ in range(30):
+        model(x)  # output dropped, autograd graph freed with it
+    gc.collect()
+    assert rss_mb() - start < 20  # 30 stashed activation sets would be ~100+ MB
+
+
+SOAK = """
+import gc, os, random, sys, json
+import torch
+from ort_autopatch import patcher
+from ort_autopatch.engine import EngineOptions, session
+sys.path.insert(0, {root!r})
+from tests.reliability.models import Encoder, TinyLM, rss_mb
+
+steps = int(sys.argv[1])
+patcher.configure(patcher.Settings(engine=EngineOptions(cache_size=8)))
+patcher.patch(Encoder); patcher.patch(TinyLM)
+random.seed(0); torch.manual_seed(0)
+models = [Encoder(), TinyLM()]
+opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]
+samples, worst_cache = [], 0
+for step in range(steps):
+    for model, opt in zip(models, opts):
+        batch, length = random.randint(1, 8), random.randint(4, 40)
+        opt.zero_grad()
+        if isinstance(model, Encoder):
+            loss = model(torch.randn(batch, length, 64))
+        else:
+            loss = model(torch.randint(0, 97, (batch, length)))
+        loss.backward()
+        opt.step()
+        if step % 100 == 99:
+            model.eval()
+            with torch.no_grad():
+                if isinstance(model, Encoder):
+                    model(torch.randn(2, 8, 64))
+                else:
+                    model(torch.randint(0, 97, (2, 8)))
+            model.train()
+        if step % 300 == 299:
+            if isinstance(model, Encoder):
+                model.scale = 2.0 if model.scale == 1.0 else 1.0
+            else:
+                model.temperature = 2.0 if model.temperature == 1.0 else 1.0
+    engines = [patcher._instances[m].engine for m in models]
+    worst_cache = max(worst_cache, *(e.cached_graphs for e in engines))
+    if step % 50 == 49:
+        gc.collect()
+        samples.append(rss_mb())
+engines = [patcher._instances[m].engine for m in models]
+gc.collect()
+print(json.dumps({{"samples": samples, "worst_cache": worst_cache,
+                  "cached": sum(e.cached_graphs for e in engines),
+                  "sessions": session.live_sessions()}}))
+"""
+
+
+def _soak(steps: int, tmp_path: Path) -> dict[str, object]:
+    import json
+
+    script = tmp_path / "soak.py"
+    script.write_text(textwrap.dedent(SOAK.format(root=str(ROOT))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    result = subprocess.run(
+        [sys.executable, str(script), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _check_soak(data: dict[str, object]) -> None:
+    samples = data["samples"]
+    assert isinstance(samples, list) and len(samples) >= 4
+    warm = samples[len(samples) // 4]  # after warm-up: every signature class seen
+    assert max(samples[len(samples) // 4 :]) <= warm * 1.05
+    assert data["worst_cache"] <= 8
+    assert data["sessions"] == data["cached"]
+
+
+def test_a_short_soak_keeps_memory_and_caches_bounded(tmp_path: Path) -> None:
+    _check_soak(_soak(200, tmp_path))
+
+
+@pytest.mark.soak
+def test_soak_2000_steps_of_two_models_with_varying_shapes(tmp_path: Path) -> None:
+    _check_soak(_soak(2000, tmp_path))

@@ -164,12 +164,14 @@ def mark_stale(module: torch.nn.Module) -> None:
 
 def _step_aside() -> bool:
     """Inside someone else's tracer or compiler the original code must run."""
+    # torch.onnx.is_in_onnx_export() is a process-wide flag: it would send other threads'
+    # calls to PyTorch while any export runs. The TorchScript exporter traces, and the tracing
+    # state is per thread, so is_tracing() covers a user's torch.onnx.export.
     return (
         is_exporting()
         or torch.jit.is_tracing()
         or torch.compiler.is_compiling()
         or torch.compiler.is_exporting()
-        or torch.onnx.is_in_onnx_export()
     )
 
 
@@ -193,7 +195,8 @@ def _new_instance(module: torch.nn.Module) -> _Instance:
         if instance is None:
             instance = _Instance(type(module))
             _instances[module] = instance
-            instance.stats.instances += 1
+            with instance.stats.lock:
+                instance.stats.instances += 1
     return instance
 
 
@@ -230,7 +233,8 @@ class _Instance:
         engine = self.engine
         reason = _needs_eager(module, engine)
         if reason is not None:
-            self.stats.eager_calls[reason] += 1
+            with self.stats.lock:
+                self.stats.eager_calls[reason] += 1
             if (self.name, reason) not in _warned and reason.startswith("DataParallel"):
                 _warned.add((self.name, reason))
                 log.warning(
@@ -261,7 +265,8 @@ class _Instance:
             )
         else:
             self._account_builds(engine)
-            self.stats.ort_calls += 1
+            with self.stats.lock:
+                self.stats.ort_calls += 1
         if hooked:
             output = _run_post_hooks(module, args, kwargs, output)
         return output
@@ -271,8 +276,9 @@ class _Instance:
             reason, cause, remedy = exc.reason, exc.cause, exc.remedy
         else:
             reason, cause, remedy = "unexpected error", f"{type(exc).__name__}: {exc}", ""
-        self.stats.fallbacks[(reason, cause)] += 1
-        self.stats.eager_calls[f"fallback: {reason}"] += 1
+        with self.stats.lock:
+            self.stats.fallbacks[(reason, cause)] += 1
+            self.stats.eager_calls[f"fallback: {reason}"] += 1
         key = (self.name, reason)
         if key not in _warned:
             _warned.add(key)
@@ -280,8 +286,11 @@ class _Instance:
 
     def _account_builds(self, engine: ModuleEngine) -> None:
         records = engine.records
-        if len(records) != self._builds_seen:
-            for record in records[self._builds_seen :]:
+        if len(records) == self._builds_seen:
+            return
+        with self.stats.lock:
+            fresh, self._builds_seen = records[self._builds_seen :], len(records)
+            for record in fresh:
                 if record.from_disk:
                     self.stats.cache_loads += 1
                 else:
@@ -290,7 +299,6 @@ class _Instance:
                 self.stats.build_seconds += record.build_seconds
                 if record.reason != "first call":
                     self.stats.rebuilds[record.reason] += 1
-            self._builds_seen = len(records)
 
     # guards ----------------------------------------------------------------------------------
     def key(self) -> Hashable:
@@ -319,7 +327,8 @@ class _Instance:
         if name in module._parameters or name in module._buffers or name in module._modules:
             engine.note_build_reason(f"{name} replaced")
         elif (id(module.__dict__), name) not in self._guard_set:
-            self.stats.ignored_writes += 1
+            with self.stats.lock:
+                self.stats.ignored_writes += 1
 
     def paths(self) -> list[str]:
         return [path for _, _, _, path in self.guards]

@@ -21,6 +21,8 @@ class ClassStats:
     export_seconds: float = 0.0
     build_seconds: float = 0.0  # gradient build and session creation (or loading from disk)
     ignored_writes: int = 0
+    # Threads share a class's counters; `+=` on them is not atomic.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         """DESIGN.md's per-class report keys."""

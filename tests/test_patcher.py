@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -256,6 +257,15 @@ def test_the_patched_call_steps_aside_under_jit_trace() -> None:
     assert _stats(UserDefinedMethodsNet).ort_calls == 0
     assert "aten::linear" in str(traced.inlined_graph)
     torch.testing.assert_close(traced(x), _eager(model, x))
+
+
+def test_the_patched_call_steps_aside_under_a_users_onnx_export(tmp_path: Path) -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    torch.onnx.export(model, (x,), str(tmp_path / "user.onnx"), dynamo=False)
+    assert _stats(UserDefinedMethodsNet).ort_calls == 0
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "user.onnx")).graph.node}
+    assert "Gemm" in ops
 
 
 def test_unsupported_input_falls_back_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -59,12 +59,24 @@ def _push(tensors: Sequence[torch.Tensor]) -> Any:
         t = tensor.detach()
         if not t.is_contiguous():
             t = t.contiguous()
+        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != _strides(t.shape):
+            # PyTorch calls these contiguous whatever their strides (an empty batch's
+            # gradient, size-1 dims); ORT's DLPack reader wants the canonical ones.
+            t = t.clone(memory_format=torch.contiguous_format)
         if t.dtype is torch.bool:
             # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
             vector.push_back(to_dlpack(t.view(torch.uint8)), True)
         else:
             vector.push_back(to_dlpack(t), False)
     return vector
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _seed_dropout() -> None:

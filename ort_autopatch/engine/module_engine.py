@@ -22,6 +22,7 @@ from ort_autopatch.engine.errors import (
     ExportError,
     GradientBuildError,
     MixedDevicesError,
+    UnsupportedInputError,
     UnsupportedModelError,
 )
 from ort_autopatch.engine.state import ModuleState
@@ -143,6 +144,7 @@ class ModuleEngine:
         self._state = ModuleState(module)
         self._static_shapes = False
         self._lock = threading.Lock()
+        self._build_lock = threading.RLock()  # one build at a time per module
         self.records: list[BuildRecord] = []
         self._pending_reason: str | None = "first call"
         self._trusted: dict[tuple[bool, bool], Hashable] = {}  # mode -> key last used
@@ -220,6 +222,8 @@ class ModuleEngine:
         grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in call.tensors) or any(p.requires_grad for p in state.params)
         )
+        if grad:
+            _refuse_empty(self._cls, call)
         base = (
             grad,
             state.training_flags(),
@@ -229,16 +233,22 @@ class ModuleEngine:
         key = self._key(base, call)
         entry = self._cache.get(key)
         if entry is None:
-            reason = self._miss_reason(key, base)
-            entry = self._cache.get_or_build(
-                key, lambda: self._build(module, state, call, grad, reason)
-            )
-            # The build may have switched to static shapes or taught the guards new attributes.
-            settled = self._key(base, call)
-            if settled != key:
-                self._cache.rekey(key, settled)
-                key = settled
-            self._built.add(key)
+            with self._build_lock:
+                # Another thread may have built it meanwhile, under a key its build settled.
+                key = self._key(base, call)
+                entry = self._cache.get(key)
+                if entry is None:
+                    reason = self._miss_reason(key, base)
+                    entry = self._cache.get_or_build(
+                        key, lambda: self._build(module, state, call, grad, reason)
+                    )
+                    # The build may have switched to static shapes or taught the guards new
+                    # attributes: file the graph under the key later calls will compute.
+                    settled = self._key(base, call)
+                    if settled != key:
+                        self._cache.rekey(key, settled)
+                        key = settled
+                    self._built.add(key)
         self._last_base = base
         self._last_in_mode[base[:2]] = base
         self._trusted[mode] = key
@@ -574,6 +584,20 @@ class ModuleEngine:
         if self.options.save_onnx is not None:
             persist.save_onnx(
                 self.options.save_onnx, self._cls, grad, module.training, static, recipe
+            )
+
+
+def _refuse_empty(cls: str, call: signature.FlatCall) -> None:
+    """ORT 1.19.2's gradient kernels reject zero-size dimensions (GemmGrad: K > 0), so a
+    training call with an empty batch is refused before it runs (the default fallback policy
+    then runs it in PyTorch); it is not remembered as a failure of its graph."""
+    for k, t in enumerate(call.tensors):
+        if t.numel() == 0:
+            raise UnsupportedInputError(
+                cls,
+                f"input tensor #{k} is empty (shape {tuple(t.shape)}), which ONNX Runtime's "
+                "gradient kernels reject",
+                "Skip empty batches, or keep the default fallback policy (PyTorch runs them)",
             )
 
 

@@ -74,3 +74,22 @@ def test_a_dtype_change_in_place_is_named() -> None:
     model.double()
     engine(torch.randn(2, 4, dtype=torch.float64))
     assert _reasons(engine)[-1] == "dtype changed"
+
+
+class Rounds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(self.fc(x)) * self.fc(x)
+
+
+def test_a_missing_gradient_names_the_operator_and_the_remedy() -> None:
+    from ort_autopatch.engine import GradientBuildError
+
+    with pytest.raises(GradientBuildError) as raised:
+        ModuleEngine(Rounds())(torch.randn(2, 4))
+    assert "no gradient for operator Round" in raised.value.cause
+    assert "/onnxruntime_src/" not in str(raised.value)
+    assert "Rounds" in str(raised.value) and "eagerly" in raised.value.remedy

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -230,7 +231,7 @@ def build_gradient(
     except Exception as exc:
         raise GradientBuildError(
             cls,
-            f"no gradient graph: {_ort_message(exc)}",
+            f"no gradient graph ({_ort_message(exc)})",
             "An operator has no gradient in ONNX Runtime 1.19.2; run this class eagerly "
             "(the default fallback policy does) or exclude it",
         ) from exc
@@ -301,5 +302,12 @@ def build_training(
 
 
 def _ort_message(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(exc).__name__)[:400]
+    """ORT's message without its C++ source location and signature noise."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    missing = re.search(r"gradient builder has not been registered: (\S+) for node (\S+)", text)
+    if missing:
+        return f"ONNX Runtime has no gradient for operator {missing[1]} (node {missing[2]})"
+    if " was false. " in text:
+        text = text.split(" was false. ", 1)[1]
+    text = re.sub(r"/onnxruntime_src/\S+:\d+ ", "", text)
+    return (text or type(exc).__name__)[:400]

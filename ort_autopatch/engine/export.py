@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ort_autopatch.engine import objects
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
 from ort_autopatch.engine.trees import register_dataclasses
 
@@ -79,16 +80,26 @@ class CallSpec:
 
 @dataclass
 class OutputSpec:
-    """The structure of what forward returned, with its non-tensor leaves as constants."""
+    """The structure of what forward returned, with its non-tensor leaves as constants.
+
+    Leaves at `carriers` are objects holding tensors (objects.Carrier); their tensors follow
+    the tensor leaves among the graph outputs.
+    """
 
     spec: pytree.TreeSpec
     leaves: list[Any]
     tensor_positions: list[int]
+    carriers: list[int] = field(default_factory=list)
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.leaves)
-        for pos, tensor in zip(self.tensor_positions, tensors, strict=True):
+        count = len(self.tensor_positions)
+        for pos, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
             leaves[pos] = tensor
+        if self.carriers:
+            rest = iter(tensors[count:])
+            for pos in self.carriers:
+                leaves[pos] = leaves[pos].fill(rest)
         return pytree.tree_unflatten(leaves, self.spec)
 
 
@@ -111,8 +122,16 @@ class _FlatModule(torch.nn.Module):
         leaves, spec = pytree.tree_flatten(result)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.output_spec = OutputSpec(spec, constants, positions)
-        return tuple(_OutputIdentity.apply(leaves[i]) for i in positions)
+        outputs = [leaves[i] for i in positions]
+        carriers = []
+        for i, leaf in enumerate(constants):
+            found = objects.carrier_of(leaf)
+            if found is not None:
+                constants[i], carried = found
+                outputs.extend(carried)
+                carriers.append(i)
+        self.output_spec = OutputSpec(spec, constants, positions, carriers)
+        return tuple(_OutputIdentity.apply(t) for t in outputs)
 
 
 @dataclass
@@ -154,11 +173,15 @@ def export_call(
         }
     buffer = io.BytesIO()
     start = time.perf_counter()
+    from ort_autopatch.engine import symbolics, tracing
+
     try:
         with (
             preserved_state(module),
             _exporting(),
             _quiet_exporter(),
+            symbolics.registered(opset),
+            tracing.export_rewrites(),
             torch.no_grad(),
             warnings.catch_warnings(),
         ):

@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 #: Bumped whenever a pass changes what it emits; part of every persistent cache key.
-GRAPH_FIX_VERSION = 1
+GRAPH_FIX_VERSION = 2  # 2: export-time symbolics and rewrites (symbolics.py, tracing.py)
 
 
 def _unique(model: onnx.ModelProto, base: str) -> str:

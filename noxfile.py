@@ -62,3 +62,29 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_import_hook.py")
     session.run("python", "benchmarks/bench_launcher.py")
     session.run("python", "benchmarks/bench_dispatch.py")
+    session.run("python", "benchmarks/bench_cache.py")
+    session.install("pytest", "matplotlib")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", env=ZOO_ENV)
+    session.run("python", "benchmarks/render_zoo.py")
+    session.run("python", "benchmarks/render_report.py")
+
+
+# The whole zoo, timed with one thread on each side: tiny models measure per-operator overhead,
+# and OMP_WAIT_POLICY=PASSIVE with 2 threads makes eager steps 10x slower on these VMs.
+ZOO_ENV = {
+    "ZOO_MODELS": "all",
+    "ZOO_TIMING_STEPS": "20",
+    "ZOO_RESULTS": "benchmarks/results/zoo.json",
+    "OMP_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+@nox.session(python=PYTHON)
+def zoo(session: nox.Session) -> None:
+    """Every zoo model against eager; writes benchmarks/results/zoo.json and README's table."""
+    _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy")
+    session.run(
+        "pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", *session.posargs, env=ZOO_ENV
+    )
+    session.run("python", "benchmarks/render_zoo.py")

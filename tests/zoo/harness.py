@@ -1,0 +1,236 @@
+"""Training one zoo entry eagerly and through the engine, side by side.
+
+The eager reference runs with SDPA on torch's MATH backend (torch's CPU flash backward is itself
+off on rows whose mask is all the finite minimum). An identical copy trains through a
+ModuleEngine on the same batches, falling back to eager on an engine error as a patched class
+does by default; losses, every output tensor (a DynamicCache's included), every gradient and
+every buffer are compared step by step.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import _pytree as pytree
+
+from ort_autopatch.engine import EngineError, ModuleEngine, objects
+from tests.zoo.models import Batch, Entry
+
+RTOL = 1e-4
+STEPS = 5
+LR = 0.1
+
+
+@dataclass
+class Result:
+    """One entry's outcome, as written to benchmarks/results/zoo.json."""
+
+    model: str
+    status: str  # "ort", "fallback", "eager" or "mismatch"
+    reason: str = ""
+    steps: int = 0
+    loss_rel: float = 0.0  # worst relative difference of the loss over the steps
+    grad_rel: float = 0.0  # worst relative difference of any gradient, output or buffer
+    worst: str = ""  # where grad_rel was found
+    first_call_s: float = 0.0  # first patched forward: export, gradient build, sessions, run
+    eager_step_ms: float | None = None
+    ort_step_ms: float | None = None
+    step_ratio: float | None = None
+    builds: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def relative(
+    actual: torch.Tensor | None, expected: torch.Tensor | None, floor: float = 0.0
+) -> float:
+    """max|a - e| / max(max|e|, floor); a missing gradient counts as zeros."""
+    if expected is None and actual is None:
+        return 0.0
+    if expected is None:
+        expected = torch.zeros_like(actual)  # type: ignore[arg-type]
+    if actual is None:
+        actual = torch.zeros_like(expected)
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.shape != e.shape:
+        return float("inf")
+    if not e.is_floating_point():
+        return 0.0 if torch.equal(a, e) else float("inf")
+    scale = max(e.abs().max().item() if e.numel() else 0.0, floor)
+    diff = (a - e).abs().max().item() if e.numel() else 0.0
+    if diff != diff:  # NaN
+        return float("inf")
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor of a model output, the tensors inside objects (DynamicCache) included."""
+    found = []
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        else:
+            carried = objects.carrier_of(leaf)
+            if carried is not None:
+                found.extend(carried[1])
+    return found
+
+
+def _clone(batch: Batch) -> Batch:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass
+class _Step:
+    loss: torch.Tensor
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+
+
+def _train_step(
+    call: Callable[..., Any],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    loss_of: Callable[[Any, Batch], torch.Tensor],
+) -> tuple[_Step, float]:
+    """One step of `model` called through `call`; what it observed and the forward's seconds."""
+    opt.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    out = call(**_clone(batch))
+    forward_s = time.perf_counter() - start
+    loss = loss_of(out, batch)
+    loss.backward()
+    step = _Step(
+        loss.detach().clone(),
+        [t.detach().clone() for t in output_tensors(out)],
+        {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        {n: b.detach().clone() for n, b in model.named_buffers()},
+    )
+    opt.step()
+    return step, forward_s
+
+
+def _timed_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    loss_of: Callable[[Any, Batch], torch.Tensor],
+) -> float:
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss_of(model(**batch), batch).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def run(entry: Entry, steps: int = STEPS, timing_steps: int = 0, device: str = "cpu") -> Result:
+    """Train `entry` eagerly and through the engine for `steps` steps on `device`; time
+    `timing_steps` more of each."""
+    torch.manual_seed(0)
+    model = entry.build().train().to(device)
+    eager_model, ort_model = copy.deepcopy(model), copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [_to(entry.batch(k, gen), torch.device(device)) for k in range(steps)]
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=LR)
+    ort_opt = torch.optim.SGD(ort_model.parameters(), lr=LR)
+
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = [
+            _train_step(eager_model, eager_model, eager_opt, b, entry.loss)[0] for b in batches
+        ]
+
+    result = Result(entry.name, "ort", steps=steps)
+    engine = ModuleEngine(ort_model)
+    runner = _Runner(ort_model, engine)
+    for k, batch in enumerate(batches):
+        actual, forward_s = _train_step(runner, ort_model, ort_opt, batch, entry.loss)
+        if k == 0:
+            result.first_call_s = round(forward_s, 3)
+        _compare(result, k, actual, expected[k])
+    if timing_steps and runner.failure is None:
+        _time(result, eager_model, runner, batches[0], entry, timing_steps)
+    result.builds = engine.builds
+    if runner.failure is not None:
+        result.status = "fallback"
+        result.reason = runner.failure
+    elif max(result.loss_rel, result.grad_rel) > RTOL:
+        result.status = "mismatch"
+        result.reason = f"{result.worst}: relative difference {result.grad_rel:.2e}"
+    return result
+
+
+class _Runner(torch.nn.Module):
+    """Calls the model through its engine, or eagerly after an engine error (what a patched
+    class does under the default fallback policy), remembering the first error's reason."""
+
+    def __init__(self, model: torch.nn.Module, engine: ModuleEngine) -> None:
+        super().__init__()
+        self.model = model
+        self.engine = engine
+        self.failure: str | None = None
+
+    def forward(self, **batch: Any) -> Any:
+        if self.failure is None:
+            try:
+                return self.engine(**batch)
+            except EngineError as exc:
+                self.failure = f"{exc.reason}: {exc.cause}"
+        return self.model(**batch)
+
+
+def _compare(result: Result, step: int, actual: _Step, expected: _Step) -> None:
+    def note(value: float, where: str) -> None:
+        if value > result.grad_rel:
+            result.grad_rel, result.worst = value, f"step {step} {where}"
+
+    result.loss_rel = max(result.loss_rel, relative(actual.loss, expected.loss))
+    if len(actual.outputs) != len(expected.outputs):
+        note(float("inf"), "number of output tensors")
+    for k, (a, e) in enumerate(zip(actual.outputs, expected.outputs, strict=False)):
+        note(relative(a, e), f"output tensor {k}")
+    # Gradients that are zero in exact arithmetic (a key projection's bias under softmax) hold
+    # rounding noise on both sides: they are measured against the step's largest gradient.
+    largest = max(
+        (g.abs().max().item() for g in expected.grads.values() if g is not None and g.numel()),
+        default=0.0,
+    )
+    for name, e_grad in expected.grads.items():
+        note(relative(actual.grads.get(name), e_grad, 1e-3 * largest), f"grad of {name}")
+    for name, e_buf in expected.buffers.items():
+        note(relative(actual.buffers.get(name), e_buf), f"buffer {name}")
+
+
+def _time(
+    result: Result,
+    eager_model: torch.nn.Module,
+    runner: torch.nn.Module,
+    batch: Batch,
+    entry: Entry,
+    steps: int,
+) -> None:
+    """Median step (forward, loss, backward, SGD) of each side, interleaved; eager uses
+    torch's default SDPA backend, as a user's run would."""
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=1e-6)
+    ort_opt = torch.optim.SGD(runner.parameters(), lr=1e-6)
+    eager_s, ort_s = [], []
+    for _ in range(steps):
+        eager_s.append(_timed_step(eager_model, eager_opt, batch, entry.loss))
+        ort_s.append(_timed_step(runner, ort_opt, batch, entry.loss))
+    result.eager_step_ms = round(statistics.median(eager_s) * 1e3, 3)
+    result.ort_step_ms = round(statistics.median(ort_s) * 1e3, 3)
+    result.step_ratio = round(result.ort_step_ms / result.eager_step_ms, 3)

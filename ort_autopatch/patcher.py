@@ -440,9 +440,12 @@ def _recorder_class(cls: type) -> type:
     """A subclass of `cls` whose reads of plain instance attributes are recorded."""
     recorder = _recorder_classes.get(cls)
     if recorder is None:
+        # The class's own lookup (transformers' PretrainedConfig maps names through
+        # attribute_map in its __getattribute__); recording only watches what it returns.
+        lookup: Callable[[Any, str], Any] = cls.__getattribute__  # type: ignore[assignment]
 
         def __getattribute__(self: Any, name: str) -> Any:
-            value = object.__getattribute__(self, name)
+            value = lookup(self, name)
             recording: _Recording | None = getattr(_RECORDING, "current", None)
             if (
                 recording is not None

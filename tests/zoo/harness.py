@@ -1,10 +1,11 @@
 """Training one zoo entry eagerly and through the engine, side by side.
 
 The eager reference runs with SDPA on torch's MATH backend (torch's CPU flash backward is itself
-off on rows whose mask is all the finite minimum). An identical copy trains through a
-ModuleEngine on the same batches, falling back to eager on an engine error as a patched class
-does by default; losses, every output tensor (a DynamicCache's included), every gradient and
-every buffer are compared step by step.
+off on rows whose mask is all the finite minimum). The entry's class is patched as a user's
+allowlist would (ort_autopatch.patcher.patch), and an identical copy trains through it on the
+same batches, falling back to eager on an engine error under the default policy; the eager
+reference calls torch.nn.Module.__call__, which the patch does not reach. Losses, every output
+tensor (a DynamicCache's included), every gradient and every buffer are compared step by step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import EngineError, ModuleEngine, objects
+from ort_autopatch import patcher, report
+from ort_autopatch.engine import objects
 from tests.zoo.models import Batch, Entry
 
 RTOL = 1e-4
@@ -149,48 +151,50 @@ def run(entry: Entry, steps: int = STEPS, timing_steps: int = 0, device: str = "
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=LR)
     ort_opt = torch.optim.SGD(ort_model.parameters(), lr=LR)
 
+    eager = _Eager(eager_model)
     with sdpa_kernel(SDPBackend.MATH):
-        expected = [
-            _train_step(eager_model, eager_model, eager_opt, b, entry.loss)[0] for b in batches
-        ]
+        expected = [_train_step(eager, eager_model, eager_opt, b, entry.loss)[0] for b in batches]
 
     result = Result(entry.name, "ort", steps=steps)
-    engine = ModuleEngine(ort_model)
-    runner = _Runner(ort_model, engine)
-    for k, batch in enumerate(batches):
-        actual, forward_s = _train_step(runner, ort_model, ort_opt, batch, entry.loss)
-        if k == 0:
-            result.first_call_s = round(forward_s, 3)
-        _compare(result, k, actual, expected[k])
-    if timing_steps and runner.failure is None:
-        _time(result, eager_model, runner, batches[0], entry, timing_steps)
-    result.builds = engine.builds
-    if runner.failure is not None:
+    cls = type(ort_model)
+    newly_patched = patcher.patch(cls)
+    report.reset()
+    try:
+        for k, batch in enumerate(batches):
+            actual, forward_s = _train_step(ort_model, ort_model, ort_opt, batch, entry.loss)
+            if k == 0:
+                result.first_call_s = round(forward_s, 3)
+            _compare(result, k, actual, expected[k])
+        stats = report.stats_for(patcher.class_name(cls))
+        failure = next(iter(stats.fallbacks), None)
+        if timing_steps and failure is None:
+            _time(result, eager, ort_model, batches[0], entry, timing_steps)
+        result.builds = stats.exports
+    finally:
+        if newly_patched:
+            patcher.unpatch(cls)
+    if failure is not None:
         result.status = "fallback"
-        result.reason = runner.failure
+        result.reason = f"{failure[0]}: {failure[1]}"
+    elif stats.ort_calls < steps:
+        result.status = "eager"
+        result.reason = ", ".join(stats.eager_calls) or "calls did not reach ONNX Runtime"
     elif max(result.loss_rel, result.grad_rel) > RTOL:
         result.status = "mismatch"
         result.reason = f"{result.worst}: relative difference {result.grad_rel:.2e}"
     return result
 
 
-class _Runner(torch.nn.Module):
-    """Calls the model through its engine, or eagerly after an engine error (what a patched
-    class does under the default fallback policy), remembering the first error's reason."""
+class _Eager(torch.nn.Module):
+    """The eager reference: torch.nn.Module.__call__, which a patched class's __call__ does
+    not reach, so reference and accelerated copies can share one (patched) class."""
 
-    def __init__(self, model: torch.nn.Module, engine: ModuleEngine) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.engine = engine
-        self.failure: str | None = None
 
     def forward(self, **batch: Any) -> Any:
-        if self.failure is None:
-            try:
-                return self.engine(**batch)
-            except EngineError as exc:
-                self.failure = f"{exc.reason}: {exc.cause}"
-        return self.model(**batch)
+        return torch.nn.Module.__call__(self.model, **batch)
 
 
 def _compare(result: Result, step: int, actual: _Step, expected: _Step) -> None:

@@ -88,3 +88,23 @@ def zoo(session: nox.Session) -> None:
         "pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", *session.posargs, env=ZOO_ENV
     )
     session.run("python", "benchmarks/render_zoo.py")
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """Every reliability scenario, the 2000-step soak included; rewrites README's table."""
+    _install(session, "pytest", "pytest-timeout", "numpy")
+    results = "benchmarks/results/reliability.json"
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "soak or not soak",
+        "tests/reliability",
+        *session.posargs,
+        env={"ORT_AUTOPATCH_RELIABILITY_RESULTS": results, "OMP_WAIT_POLICY": "PASSIVE"},
+    )
+    session.run("python", "benchmarks/render_reliability.py", results)
+

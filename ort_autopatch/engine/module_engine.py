@@ -511,6 +511,8 @@ class ModuleEngine:
         grad: bool,
         device: torch.device,
     ) -> str | None:
+        """The static part of the on-disk key; None without a store, or when a class of the
+        tree has no source file to hash (REPL, exec)."""
         if self._store is None and self.options.save_onnx is None:
             return None
         sources = _source_digest(module)
@@ -559,31 +561,22 @@ class ModuleEngine:
         device: torch.device,
         base_key: str | None,
     ) -> None:
-        if self._store is None and self.options.save_onnx is None:
-            return
         from ort_autopatch.engine import persist
 
-        static = persist.static_key(
-            cls=self._cls,
-            sources=_source_digest(module) or "",
-            state=state,
-            call=call,
-            grad=grad,
-            device=device,
-            opset=self.options.opset,
-            static_shapes=self._static_shapes,
-        )
-        paths = self._guards.paths() if self._guards is not None else []
-        if self._store is not None and base_key is not None:
+        # Recomputed: the build may have switched to static shapes.
+        static = self._persistent_key(module, state, call, grad, device)
+        if self._store is not None and static is not None and base_key is not None:
+            paths = self._guards.paths() if self._guards is not None else []
             known = self._store.paths(static)
             union = known + [p for p in paths if p not in known]
-            key = persist.full_key(static, module, union)
             meta = persist.meta_of(recipe)
             if meta is not None:
+                key = persist.full_key(static, module, union)
                 self._store.save(static, key, meta, persist.graphs_of(recipe), union)
         if self.options.save_onnx is not None:
+            name = static or persist.digest(repr(call.signature))
             persist.save_onnx(
-                self.options.save_onnx, self._cls, grad, module.training, static, recipe
+                self.options.save_onnx, self._cls, grad, module.training, name, recipe
             )
 
 

@@ -72,7 +72,8 @@ def machine_fingerprint() -> str:
                 flags = next((ln for ln in info if ln.startswith(("flags", "Features"))), "")
         except OSError:
             pass
-        _fingerprint = digest([platform.machine(), platform.processor(), flags])
+        # (platform.processor() would run `uname -p` in a subprocess on every first build)
+        _fingerprint = digest([platform.machine(), flags])
     return _fingerprint
 
 

@@ -54,6 +54,15 @@ def install(config: Config | None = None) -> bool:
         if not config.enabled:
             return False
         logging.getLogger("ort_autopatch").setLevel(config.log_level)
+        from ort_autopatch.engine.runtime import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            # Said once, here, instead of one fallback warning per class later.
+            _log.warning(
+                "ort_autopatch: nothing is accelerated, the script runs in PyTorch: %s", reason
+            )
+            return False
         from ort_autopatch.hook import ImportHook, Selector
 
         _configure_patcher_lazily(config)

@@ -210,3 +210,36 @@ def test_policies_from_the_environment_reach_patched_calls(tmp_path: Path) -> No
         ORTMODULE_FALLBACK_POLICY="FALLBACK_DISABLE",
     )
     assert out == "UnsupportedInputError"
+
+
+def test_a_python_without_a_training_build_says_why_once_and_runs_eagerly(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "mymodels.py").write_text(MODELS)
+    script = tmp_path / "main.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import ort_autopatch.engine.runtime as runtime
+            runtime.unavailable_reason = lambda: "no ONNX Runtime training build is installed"
+            import torch, ort_autopatch
+            print(ort_autopatch.install())
+            import mymodels
+            mymodels.Net()(torch.randn(3, 4))
+            mymodels.Net()(torch.randn(3, 4))
+            print(ort_autopatch.is_patched(mymodels.Net))
+            """
+        )
+    )
+    environ = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{ROOT}:{tmp_path}",
+        "ORT_AUTOPATCH_MODULES": "mymodels:Net",
+    }
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
+    assert result.stderr.count("nothing is accelerated") == 1
+    assert "no ONNX Runtime training build is installed" in result.stderr

@@ -41,17 +41,23 @@ def _run(
     (tmp_path / "mymodels.py").write_text(MODELS)
     script = tmp_path / "main.py"
     script.write_text(textwrap.dedent(body) + (REPORT if report else ""))
+    result = _launch(tmp_path, script, modules, **env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def _launch(
+    tmp_path: Path, script: Path, modules: str, **env: str
+) -> subprocess.CompletedProcess[str]:
     environ = {
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": f"{ROOT}:{tmp_path}",
         "ORT_AUTOPATCH_MODULES": modules,
         **env,
     }
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
     )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
 
 
 def test_hook_installed_before_the_import(tmp_path: Path) -> None:
@@ -231,14 +237,7 @@ def test_a_python_without_a_training_build_says_why_once_and_runs_eagerly(
             """
         )
     )
-    environ = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": f"{ROOT}:{tmp_path}",
-        "ORT_AUTOPATCH_MODULES": "mymodels:Net",
-    }
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
-    )
+    result = _launch(tmp_path, script, "mymodels:Net")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
     assert result.stderr.count("nothing is accelerated") == 1

@@ -216,6 +216,8 @@ class _Instance:
         self._guard_set: set[tuple[int, str]] = set()
         self._builds_seen = 0
         self._last_guard_key: tuple[Hashable, ...] = ()
+        self._guard_owners: list[dict[str, Any]] = []  # columns of `guards`, for map() in C
+        self._guard_names: list[str] = []
 
     # the call --------------------------------------------------------------------------------
     def call(
@@ -306,7 +308,11 @@ class _Instance:
         another graph, and a value toggled back finds its old graph again."""
         if not self.guards:
             return ()
-        key = tuple(_hashable(owner.get(name, _MISSING)) for owner, name, _, _ in self.guards)
+        key: tuple[Hashable, ...] = tuple(map(dict.get, self._guard_owners, self._guard_names))
+        try:
+            hash(key)
+        except TypeError:  # an unhashable value: compare it by identity
+            key = tuple(map(_hashable, key))
         last = self._last_guard_key
         if key != last and self.engine is not None and len(last) == len(key):
             changed = [
@@ -348,6 +354,8 @@ class _Instance:
         if key not in self._guard_set:
             self._guard_set.add(key)
             self.guards.append((owner.__dict__, name, type(owner).__qualname__, path))
+            self._guard_owners.append(owner.__dict__)
+            self._guard_names.append(name)
 
     def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """What the engine exports: forward, recording which plain attributes it reads."""
@@ -501,14 +509,8 @@ def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
         or module._backward_pre_hooks
     ):
         return "backward or global hooks"
-    for sub in engine.submodules:
-        if (
-            sub._forward_hooks
-            or sub._forward_pre_hooks
-            or sub._backward_hooks
-            or sub._backward_pre_hooks
-        ):
-            return "hooks on submodules"
+    if engine.submodule_hooks():
+        return "hooks on submodules"
     return None
 
 

@@ -517,3 +517,17 @@ def test_skip_check_execution_agent_alone_keeps_every_check() -> None:
 
 def test_the_default_skip_check_policy_checks_everything() -> None:
     assert patcher.Settings().skip_check == SkipCheck.SKIP_CHECK_DISABLED
+
+
+def test_a_hook_registered_on_a_submodule_after_the_first_call_is_seen() -> None:
+    model = UserDefinedMethodsNet()
+    x, _ = _data()
+    model(x)
+    calls: list[int] = []
+    handle = model.fc.register_forward_hook(lambda m, a, o: calls.append(1))
+    model(x)
+    handle.remove()
+    model(x)
+    assert calls == [1]
+    stats = _stats(UserDefinedMethodsNet)
+    assert stats.eager_calls["hooks on submodules"] == 1 and stats.ort_calls == 2

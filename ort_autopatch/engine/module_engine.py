@@ -172,6 +172,10 @@ class ModuleEngine:
         """Every module below the root as of the last structural check."""
         return self._state.modules
 
+    def submodule_hooks(self) -> bool:
+        """Whether a module below the root carries hooks (which cannot run inside ORT)."""
+        return self._state.submodule_hooks()
+
     def invalidate(self, reason: str = "marked stale") -> None:
         """Forget every graph; the next call re-exports."""
         module = self._module()

@@ -8,11 +8,14 @@ loop of identity tests, a few hundred nanoseconds per tensor.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+_TRAINING = operator.attrgetter("training")
 
 
 class ModuleState:
@@ -49,6 +52,17 @@ class ModuleState:
                     self.tensors.append(tensor)
                     self.is_param.append(kind)
         self.index = {name: k for k, name in enumerate(self.names)}
+        # Hook tables are mutated in place by register_*_hook: one flat list, checked in C.
+        self._hook_tables = [
+            table
+            for module in self.modules
+            for table in (
+                module._forward_hooks,
+                module._forward_pre_hooks,
+                module._backward_hooks,
+                module._backward_pre_hooks,
+            )
+        ]
         self.params = [t for t, p in zip(self.tensors, self.is_param, strict=True) if p]
 
     def unchanged(self) -> bool:
@@ -60,6 +74,10 @@ class ModuleState:
             if table.get(name) is not tensor or tensor.dtype != dtype or tensor.device != device:
                 return False
         return True
+
+    def submodule_hooks(self) -> bool:
+        """Whether any module below the root carries forward or backward hooks."""
+        return any(map(len, self._hook_tables))
 
     def describe_change(self) -> str:
         """Why `unchanged()` said no, in a report's words (only called after a change)."""
@@ -78,7 +96,7 @@ class ModuleState:
 
     def training_flags(self) -> tuple[bool, ...]:
         root = self._root()
-        return (root is not None and root.training, *(m.training for m in self.modules))
+        return (root is not None and root.training, *map(_TRAINING, self.modules))
 
     def module_named(self, name: str) -> torch.nn.Module | None:
         """The submodule `name` ("" for the root) as of the snapshot."""

@@ -10,6 +10,7 @@ when a selected class needs patching, and onnxruntime only at the first patched 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -65,8 +66,8 @@ def install(config: Config | None = None) -> bool:
             return False
         from ort_autopatch.hook import ImportHook, Selector
 
-        _configure_patcher_lazily(config)
-        hook = ImportHook(Selector(config.modules, config.exclude), _patch_found_class)
+        on_class = functools.partial(_patch_found_class, config)
+        hook = ImportHook(Selector(config.modules, config.exclude), on_class)
         hook.install()
         _hook = hook
         _active_config = config
@@ -125,34 +126,22 @@ def mark_stale(module: Any) -> None:
     patcher.mark_stale(module)
 
 
-_pending_config: Config | None = None
-
-
-def _configure_patcher_lazily(config: Config) -> None:
-    # The patcher imports torch; it is configured when the first class is patched.
-    global _pending_config
-    _pending_config = config
-
-
-def _patch_found_class(cls: type) -> None:
+def _patch_found_class(config: Config, cls: type) -> None:
+    # Imported here: the patcher imports torch, which install() itself must not.
     from ort_autopatch import patcher
     from ort_autopatch.engine import EngineOptions
 
-    global _pending_config
-    if _pending_config is not None:
-        config = _pending_config
-        patcher.configure(
-            patcher.Settings(
-                skip_check=config.skip_check,
-                fallback=config.fallback,
-                engine=EngineOptions(
-                    opset=config.opset,
-                    threads=config.threads,
-                    cache_size=config.cache_size,
-                    cache_dir=config.cache_dir,
-                    save_onnx=config.save_onnx,
-                ),
-            )
+    patcher.configure(
+        patcher.Settings(
+            skip_check=config.skip_check,
+            fallback=config.fallback,
+            engine=EngineOptions(
+                opset=config.opset,
+                threads=config.threads,
+                cache_size=config.cache_size,
+                cache_dir=config.cache_dir,
+                save_onnx=config.save_onnx,
+            ),
         )
-        _pending_config = None
+    )
     patcher.patch(cls)

@@ -13,7 +13,7 @@ from torch.utils.dlpack import to_dlpack
 
 from ort_autopatch.engine import runtime
 from ort_autopatch.engine.errors import ExecutionError
-from ort_autopatch.engine.session import InferenceProgram, TrainingProgram
+from ort_autopatch.engine.session import InferenceProgram, TrainingProgram, ort_message
 
 
 @dataclass
@@ -119,7 +119,7 @@ def run_inference(
         )
     except Exception as exc:
         raise ExecutionError(
-            step.module_class, f"ONNX Runtime forward failed: {_msg(exc)}", "Run eagerly"
+            step.module_class, f"ONNX Runtime forward failed: {ort_message(exc)}", "Run eagerly"
         ) from exc
     return _post_forward(step, _tensors(fetches))
 
@@ -155,7 +155,7 @@ class TrainingCall(torch.autograd.Function):
             program.agent.run_forward(_push(feeds), outputs_vector, state, None)
         except Exception as exc:
             raise ExecutionError(
-                step.module_class, f"ONNX Runtime forward failed: {_msg(exc)}", "Run eagerly"
+                step.module_class, f"ONNX Runtime forward failed: {ort_message(exc)}", "Run eagerly"
             ) from exc
         outputs = _tensors(outputs_vector)
         ctx.program = program
@@ -195,15 +195,12 @@ class TrainingCall(torch.autograd.Function):
             program.agent.run_backward(_push(grads), results, run.state)
         except Exception as exc:
             raise ExecutionError(
-                step.module_class, f"ONNX Runtime backward failed: {_msg(exc)}", "Run eagerly"
+                step.module_class,
+                f"ONNX Runtime backward failed: {ort_message(exc)}",
+                "Run eagerly",
             ) from exc
         finally:
             run.state = None
         tensors = _tensors(results)
         feed_grads = tuple(tensors[i] if i >= 0 else None for i in program.grad_index)
         return (None, None, None, *feed_grads)
-
-
-def _msg(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(exc).__name__)[:400]

@@ -108,7 +108,7 @@ def _session(
         except Exception as exc:
             raise SessionError(
                 cls,
-                f"ONNX Runtime rejected the graph: {str(exc).strip().splitlines()[0][:300]}",
+                f"ONNX Runtime rejected the graph: {ort_message(exc)}",
                 "Run this class eagerly (the default fallback policy does) and report the model",
             ) from exc
         _live.add(session)
@@ -231,7 +231,7 @@ def build_gradient(
     except Exception as exc:
         raise GradientBuildError(
             cls,
-            f"no gradient graph ({_ort_message(exc)})",
+            f"no gradient graph ({ort_message(exc)})",
             "An operator has no gradient in ONNX Runtime 1.19.2; run this class eagerly "
             "(the default fallback policy does) or exclude it",
         ) from exc
@@ -285,7 +285,7 @@ def build_training(
         )
     except Exception as exc:
         raise SessionError(
-            cls, f"TrainingAgent failed: {_ort_message(exc)}", "Report the model"
+            cls, f"TrainingAgent failed: {ort_message(exc)}", "Report the model"
         ) from exc
     position = {name: k for k, name in enumerate(bw_fetches)}
     grad_index = [position.get(gradient.grad_of.get(name, ""), -1) for name in fw_feeds]
@@ -301,7 +301,7 @@ def build_training(
     )
 
 
-def _ort_message(exc: BaseException) -> str:
+def ort_message(exc: BaseException) -> str:
     """ORT's message without its C++ source location and signature noise."""
     text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
     missing = re.search(r"gradient builder has not been registered: (\S+) for node (\S+)", text)

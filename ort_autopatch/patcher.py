@@ -1,5 +1,9 @@
 """Patching a selected class in place: its `__call__` goes through ONNX Runtime, its
-`__setattr__` notices writes. The only module that changes classes.
+`__setattr__` notices writes, and the fallback policy decides what a failed call does.
+
+The only module that rebinds a class's methods. The attribute reads an export makes are recorded
+by `recording` (which swaps `__class__` of user objects for the length of an export), and the
+forward hooks of a call served by ORT are run by `hooks`.
 
 No wrapper object exists, so attributes, custom methods calling `self(...)`, `state_dict`,
 `isinstance`, pickling and `deepcopy` are those of the unpatched class. Per-instance state lives
@@ -8,13 +12,10 @@ in a WeakKeyDictionary, never in the instance's `__dict__`.
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import logging
 import threading
-import types
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from ort_autopatch.engine import (
     is_exporting,
 )
 from ort_autopatch.hook import PATCHED_MARKER
+from ort_autopatch.hooks import forward_without_hooks, run_post_hooks, run_pre_hooks
 from ort_autopatch.policy import (
     DEFAULT_FALLBACK,
     DEFAULT_SKIP_CHECK,
@@ -37,11 +39,11 @@ from ort_autopatch.policy import (
     falls_back,
     skips,
 )
+from ort_autopatch.recording import Read, is_recorder, recording_reads
 
 log = logging.getLogger("ort_autopatch")
 
 _WRAPPER = "__ort_autopatch_wrapper__"
-_RECORDER = "__ort_autopatch_recorder__"
 _FALLBACK_FOR_KIND = {
     FailureKind.UNSUPPORTED_DEVICE: Fallback.FALLBACK_UNSUPPORTED_DEVICE,
     FailureKind.UNSUPPORTED_DATA: Fallback.FALLBACK_UNSUPPORTED_DATA,
@@ -90,7 +92,7 @@ def patch(cls: type) -> bool:
     """Patch `cls` in place; False if it already was. Subclasses inherit the patch."""
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise TypeError(f"{cls!r} is not a torch.nn.Module subclass; only modules can be patched")
-    if cls.__dict__.get(_RECORDER):
+    if is_recorder(cls):
         return False  # our own export-time subclass, caught by the class-creation hook
     with _lock:
         if cls in _originals:
@@ -200,9 +202,6 @@ def _new_instance(module: torch.nn.Module) -> _Instance:
     return instance
 
 
-_RECORDING = threading.local()
-
-
 class _Instance:
     """Per-instance state: the engine, the attributes forward read, the counters."""
 
@@ -247,7 +246,7 @@ class _Instance:
             return eager(module, *args, **kwargs)
         hooked = bool(module._forward_pre_hooks or module._forward_hooks)
         if hooked:
-            args, kwargs = _run_pre_hooks(module, args, kwargs)
+            args, kwargs = run_pre_hooks(module, args, kwargs)
         try:
             output = engine.run(
                 args,
@@ -263,14 +262,14 @@ class _Instance:
             output = (
                 eager(module, *args, **kwargs)
                 if not hooked
-                else _eager_forward(module, args, kwargs)
+                else forward_without_hooks(module, args, kwargs)
             )
         else:
             self._account_builds(engine)
             with self.stats.lock:
                 self.stats.ort_calls += 1
         if hooked:
-            output = _run_post_hooks(module, args, kwargs, output)
+            output = run_post_hooks(module, args, kwargs, output)
         return output
 
     def _fallback(self, exc: Exception) -> None:
@@ -359,8 +358,8 @@ class _Instance:
 
     def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """What the engine exports: forward, recording which plain attributes it reads."""
-        reads: list[tuple[Any, str, str]] = []
-        with _recording_reads(module, reads):
+        reads: list[Read] = []
+        with recording_reads(module, reads):
             output = module.forward(*args, **kwargs)
         for owner, name, path in reads:
             self._guard(owner, name, path)
@@ -386,111 +385,7 @@ def _hashable(value: Any) -> Hashable:
     return value
 
 
-# -- recording attribute reads during export -----------------------------------------------------
-
-_recorder_classes: dict[type, type] = {}
-_MAX_RECORDED_OBJECTS = 10_000
-_NOT_RECORDED = (
-    torch.nn.Module,
-    torch.Tensor,
-    type,
-    types.ModuleType,
-    types.FunctionType,
-    types.MethodType,
-    types.BuiltinFunctionType,
-    enum.Enum,
-)
-
-
-class _Recording:
-    """One export's reads: (owner, attribute) pairs, and the objects whose class was swapped."""
-
-    def __init__(self, reads: list[tuple[Any, str, str]]) -> None:
-        self.reads = reads
-        self.swapped: list[tuple[Any, type]] = []
-        self.path: dict[int, str] = {}  # id(object) -> dotted path from the root
-
-    def read(self, owner: Any, name: str, value: Any) -> None:
-        prefix = self.path.get(id(owner), "")
-        path = f"{prefix}.{name}" if prefix else name
-        self.reads.append((owner, name, path))
-        if _plain_object(value):
-            self.watch(value, path)  # config.flag reads are guarded too
-
-    def watch(self, obj: Any, path: str) -> None:
-        """Swap `obj` to a recording subclass until the export ends (if its layout allows)."""
-        if id(obj) in self.path or len(self.path) >= _MAX_RECORDED_OBJECTS:
-            return
-        self.path[id(obj)] = path
-        cls = type(obj)
-        try:
-            # object.__setattr__: a patched or custom __setattr__ must not see this
-            object.__setattr__(obj, "__class__", _recorder_class(cls))
-        except TypeError:
-            return  # slots or a builtin layout: its reads stay unguarded
-        self.swapped.append((obj, cls))
-
-    def restore(self) -> None:
-        for obj, cls in reversed(self.swapped):
-            object.__setattr__(obj, "__class__", cls)
-
-
-def _plain_object(value: Any) -> bool:
-    """Objects such as a transformers config, whose attributes forward may read."""
-    return (
-        hasattr(value, "__dict__")
-        and not isinstance(value, _NOT_RECORDED)
-        and type(value).__module__ != "builtins"
-    )
-
-
-def _recorder_class(cls: type) -> type:
-    """A subclass of `cls` whose reads of plain instance attributes are recorded."""
-    recorder = _recorder_classes.get(cls)
-    if recorder is None:
-        # The class's own lookup (transformers' PretrainedConfig maps names through
-        # attribute_map in its __getattribute__); recording only watches what it returns.
-        lookup: Callable[[Any, str], Any] = cls.__getattribute__  # type: ignore[assignment]
-
-        def __getattribute__(self: Any, name: str) -> Any:
-            value = lookup(self, name)
-            recording: _Recording | None = getattr(_RECORDING, "current", None)
-            if (
-                recording is not None
-                and not name.startswith("_")
-                and name in object.__getattribute__(self, "__dict__")
-            ):
-                recording.read(self, name, value)
-            return value
-
-        namespace = {
-            "__getattribute__": __getattribute__,
-            "__qualname__": cls.__qualname__,
-            "__module__": cls.__module__,
-            _RECORDER: True,
-        }
-        recorder = type(cls.__name__, (cls,), namespace)
-        _recorder_classes[cls] = recorder
-    return recorder
-
-
-@contextlib.contextmanager
-def _recording_reads(root: torch.nn.Module, reads: list[tuple[Any, str, str]]) -> Iterator[None]:
-    """Swap every module of the tree (and plain objects forward reaches through their
-    attributes) to recording subclasses for the duration of the trace."""
-    recording = _Recording(reads)
-    previous = getattr(_RECORDING, "current", None)
-    try:
-        for name, module in root.named_modules():
-            recording.watch(module, name)
-        _RECORDING.current = recording
-        yield
-    finally:
-        _RECORDING.current = previous
-        recording.restore()
-
-
-# -- hooks --------------------------------------------------------------------------------------
+# -- calls ORT cannot take ---------------------------------------------------------------------
 
 
 def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
@@ -512,35 +407,3 @@ def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
     if engine.submodule_hooks():
         return "hooks on submodules"
     return None
-
-
-def _run_pre_hooks(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    for hook_id, hook in list(module._forward_pre_hooks.items()):
-        if hook_id in module._forward_pre_hooks_with_kwargs:
-            result = hook(module, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        else:
-            result = hook(module, args)
-            if result is not None:
-                args = result if isinstance(result, tuple) else (result,)
-    return args, kwargs
-
-
-def _run_post_hooks(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-) -> Any:
-    for hook_id, hook in list(module._forward_hooks.items()):
-        if hook_id in module._forward_hooks_with_kwargs:
-            result = hook(module, args, kwargs, output)
-        else:
-            result = hook(module, args, output)
-        if result is not None:
-            output = result
-    return output
-
-
-def _eager_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return module.forward(*args, **kwargs)

@@ -30,11 +30,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff and mypy over the package."""
+    """ruff and mypy over the package, and the README's generated option table."""
     _install(session, "ruff", "mypy")
-    session.run("ruff", "check", "ort_autopatch", "tests", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "ort_autopatch")
+    session.run("ruff", "check", "ort_autopatch", "tests", "benchmarks", "tools", "noxfile.py")
+    session.run("ruff", "format", "--check", "ort_autopatch", "tools")
     session.run("mypy")
+    session.run("python", "tools/readme_options.py", "--check")
 
 
 @nox.session(python=PYTHON)

@@ -54,7 +54,6 @@ def install(config: Config | None = None) -> bool:
             return False
         if not config.enabled:
             return False
-        logging.getLogger("ort_autopatch").setLevel(config.log_level)
         from ort_autopatch.engine.runtime import unavailable_reason
 
         reason = unavailable_reason()
@@ -135,13 +134,7 @@ def _patch_found_class(config: Config, cls: type) -> None:
         patcher.Settings(
             skip_check=config.skip_check,
             fallback=config.fallback,
-            engine=EngineOptions(
-                opset=config.opset,
-                threads=config.threads,
-                cache_size=config.cache_size,
-                cache_dir=config.cache_dir,
-                save_onnx=config.save_onnx,
-            ),
+            engine=EngineOptions(**config.engine_values()),
         )
     )
     patcher.patch(cls)

@@ -1,11 +1,17 @@
 """Activation shared by the launcher and the child-process bootstrap.
 
-Both do the same three things in a process, once: install the patching from a Config, route the
-tool's log records to stderr (rank 0 only), and register the exit report. Which process reports is
-decided here so that a run writes one report per rank, never one per worker: a process reports when
-no ancestor already reports for the same rank (the ancestor's RANK travels in
-``ORT_AUTOPATCH_REPORTER_RANK``), when it is not a multiprocessing helper (spawn workers,
-forkserver, resource tracker) and, at exit, when it is not torchrun's agent (its ranks report).
+Both do the same three things in a process, once: install the patching from a Config, set up the
+tool's log output, and register the exit report. The launcher's process tree owns its output: the
+records go to stderr (rank 0 only, errors only on other ranks) and not to the script's own logging
+setup. Activated from inside a script (`import ort_autopatch.auto`), the tool behaves as a library:
+only the level of the `ort_autopatch` logger is set (from ORT_AUTOPATCH_LOG_LEVEL), its records
+propagate to the script's handlers (or to Python's last-resort handler, warnings and up).
+
+Which process reports is decided here so that a run writes one report per rank, never one per
+worker: a process reports when no ancestor already reports for the same rank (the ancestor's
+RANK travels in `ORT_AUTOPATCH_REPORTER_RANK`), when it is not a multiprocessing helper (spawn
+workers, forkserver, resource tracker) and, at exit, when it is not torchrun's agent (its ranks
+report).
 Nothing here imports torch or onnxruntime.
 """
 
@@ -35,7 +41,7 @@ _AGENT_MODULE = "torch.distributed.elastic.agent.server.api"
 
 
 def current_rank() -> int | None:
-    """This process's distributed rank from ``RANK`` (torchrun sets it), None without one."""
+    """This process's distributed rank from `RANK` (torchrun sets it), None without one."""
     raw = os.environ.get("RANK", "").strip()
     try:
         return int(raw) if raw else None
@@ -49,11 +55,12 @@ def is_multiprocessing_helper() -> bool:
     return any(arg == "--multiprocessing-fork" or "from multiprocessing." in arg for arg in argv)
 
 
-def activate(config: Config) -> bool:
-    """Install from ``config`` in this process (once) and arrange the exit report.
+def activate(config: Config, own_output: bool = False) -> bool:
+    """Install from `config` in this process (once) and arrange the exit report.
 
-    Returns whether this call installed anything; a disabled config installs nothing, logs
-    nothing and reports nothing.
+    `own_output`: the launcher's process tree, whose log records go to stderr through our own
+    handler; otherwise records propagate as a library's do. Returns whether this call installed
+    anything; a disabled config installs nothing, logs nothing and reports nothing.
     """
     global _activated
     with _lock:
@@ -64,7 +71,7 @@ def activate(config: Config) -> bool:
         return False
     rank = current_rank()
     installed = install(config)
-    _configure_logging(config.log_level, rank)
+    _configure_logging(config.log_level, rank, own_output)
     if installed and _claims_report(rank) and _wants_output(config):
         # Import now what writing needs: an import while the interpreter finalizes resets its
         # "KeyboardInterrupt went unhandled" flag, and ^C would then exit 1 instead of by SIGINT.
@@ -88,7 +95,7 @@ def _claims_report(rank: int | None) -> bool:
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at emit time (scripts and tests redirect it)."""
+    """Writes to whatever `sys.stderr` is at emit time (scripts and tests redirect it)."""
 
     def __init__(self) -> None:
         logging.Handler.__init__(self)
@@ -98,8 +105,11 @@ class _StderrHandler(logging.StreamHandler):
         return sys.stderr
 
 
-def _configure_logging(level: str, rank: int | None) -> None:
+def _configure_logging(level: str, rank: int | None, own_output: bool) -> None:
     logger = logging.getLogger("ort_autopatch")
+    if not own_output:
+        logger.setLevel(level)
+        return
     # Ranks other than 0 keep errors only: N copies of every warning drown a distributed log.
     logger.setLevel(level if not rank else max(logging.getLevelName(level), logging.ERROR))
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):

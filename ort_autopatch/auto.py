@@ -1,5 +1,6 @@
 """`import ort_autopatch.auto` activates from the environment (ORT_AUTOPATCH_*), as the
-launcher does: patching, logs on stderr (rank 0) and the exit report when one is asked for."""
+launcher does: patching and the exit report when one is asked for. Log records go through the
+`ort_autopatch` logger to the script's own handlers, as a library's do."""
 
 from ort_autopatch.activation import activate
 from ort_autopatch.config import load_config

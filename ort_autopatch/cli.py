@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ort_autopatch import __version__
-from ort_autopatch.config import ENV_VARS, Config, load_config
+from ort_autopatch.config import ENV_VARS, OPTIONS, Config, add_arguments, cli_values, load_config
 from ort_autopatch.errors import ConfigError
 
 __all__ = ["BOOTSTRAP_DIR", "build_parser", "check", "export_environment", "main"]
@@ -56,58 +56,8 @@ def build_parser(prog: str = "python -m ort_autopatch") -> argparse.ArgumentPars
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    env = ENV_VARS
+    add_arguments(parser)
     add = parser.add_argument
-    add(
-        "--modules",
-        action="append",
-        metavar="PATTERNS",
-        help="classes to accelerate: comma list of 'module.path:Class' with fnmatch wildcards, "
-        f"'__main__:Net' for the script itself; repeatable [{env['modules']}]",
-    )
-    add(
-        "--exclude",
-        action="append",
-        metavar="PATTERNS",
-        help=f"classes never to accelerate (same syntax; wins) [{env['exclude']}]",
-    )
-    add(
-        "--disable",
-        action="store_true",
-        default=None,
-        help=f"install nothing; run the script plainly [{env['enabled']}=0]",
-    )
-    add(
-        "--skip-check",
-        metavar="NAMES",
-        help=f"'|'-joined SKIP_CHECK_* names (ORTModule's) [{env['skip_check']}]",
-    )
-    add(
-        "--fallback",
-        metavar="NAMES",
-        help=f"'|'-joined FALLBACK_* names (ORTModule's) [{env['fallback']}]",
-    )
-    add(
-        "--report",
-        metavar="PATH",
-        help="JSON report written at exit; '{rank}' in it gives one file per rank; "
-        f"'-' prints a text summary on stderr instead [{env['report']}]",
-    )
-    add(
-        "--log-level",
-        metavar="LEVEL",
-        help=f"DEBUG, INFO (adds the summary at exit), WARNING (default), ERROR "
-        f"[{env['log_level']}]",
-    )
-    add("--cache-dir", metavar="DIR", help=f"persistent graph cache [{env['cache_dir']}]")
-    add("--save-onnx", metavar="DIR", help=f"write exported graphs here [{env['save_onnx']}]")
-    add("--opset", metavar="N", help=f"ONNX opset for export (default 17) [{env['opset']}]")
-    add("--threads", metavar="N", help=f"ONNX Runtime intra-op threads [{env['threads']}]")
-    add(
-        "--cache-size",
-        metavar="N",
-        help=f"graphs kept per module instance (default 8) [{env['cache_size']}]",
-    )
     add(
         "--check",
         action="store_true",
@@ -167,26 +117,6 @@ def split_argv(
     return options, None, []
 
 
-def _cli_values(ns: argparse.Namespace) -> dict[str, object]:
-    def joined(values: list[str] | None) -> str | None:
-        return None if values is None else ",".join(values)
-
-    return {
-        "modules": joined(ns.modules),
-        "exclude": joined(ns.exclude),
-        "disable": ns.disable,
-        "skip_check": ns.skip_check,
-        "fallback": ns.fallback,
-        "report": ns.report,
-        "log_level": ns.log_level,
-        "cache_dir": ns.cache_dir,
-        "save_onnx": ns.save_onnx,
-        "opset": ns.opset,
-        "threads": ns.threads,
-        "cache_size": ns.cache_size,
-    }
-
-
 def _prog() -> str:
     argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return "python -m ort_autopatch" if argv0 in ("", "__main__.py", "-m", "-c") else argv0
@@ -210,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(version_text())
         return 0
     try:
-        config = load_config(cli=_cli_values(ns))
+        config = load_config(cli=cli_values(ns))
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -268,7 +198,7 @@ def run(kind: str, target: str, args: Sequence[str], config: Config) -> int:
     export_environment(config)
     from ort_autopatch.activation import activate
 
-    activate(config)
+    activate(config, own_output=True)
     _execute(prepared, main_module)
     return 0
 
@@ -473,6 +403,6 @@ def check(config: Config) -> tuple[str, bool]:
     lines.append(row("accelerate", "yes" if ok else "no"))
     lines.extend(f"  problem: {p}" for p in problems)
     lines.append("  configuration (options > ORT_AUTOPATCH_* > pyproject.toml > defaults):")
-    for variable, value in config.to_env().items():
-        lines.append(f"    {variable}={value}")
+    environment = config.to_env()
+    lines.extend(f"    {opt.env}={environment[opt.env]}" for opt in OPTIONS)
     return "\n".join(lines), ok

@@ -1,20 +1,27 @@
-"""One frozen Config, read once, from CLI > environment > TOML file > defaults.
+"""One frozen `Config`, read once, from CLI > environment > TOML file > defaults.
 
-Activation (the launcher, ``ort_autopatch.auto`` and the child-process sitecustomize) calls
-``load_config`` before the user's script runs, so every bad value fails here, naming where it came
-from, the value and what is accepted. Spawned children see only the environment, which is why
-``Config.to_env`` exists. Nothing here imports torch, onnxruntime or any user module: reading the
-configuration must stay cheap and side-effect free in every process the tool starts.
+Every option is declared once, as a field of `Config` whose metadata is an `Option`: the
+environment variable, the launcher flag, the kind of value (which parses, validates, names what is
+accepted and writes the value back as text) and the help line. Everything else is derived from
+those declarations: reading the environment, TOML and CLI values, `Config.to_env`, the launcher's
+argparse options and `--help`, the engine's options (`Config.engine_values`) and the README's
+option table (`markdown_table`, checked by a test). docs/options.md says how to add one.
+
+Activation (the launcher, `ort_autopatch.auto` and the child-process sitecustomize) calls
+`load_config` before the user's script runs, so every bad value fails here, naming where it came
+from, the value and what is accepted. Nothing here imports torch, onnxruntime or any user module:
+reading the configuration must stay cheap and side-effect free in every process the tool starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import logging
+import enum
 import os
 import pathlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .errors import ConfigError
@@ -28,97 +35,432 @@ from .policy import (
     parse_skip_check,
 )
 
-__all__ = ["ENV_CONFIG_FILE", "ENV_VARS", "Config", "ConfigError", "load_config"]
+__all__ = [
+    "ENV_CONFIG_FILE",
+    "ENV_VARS",
+    "OPTIONS",
+    "Config",
+    "ConfigError",
+    "Option",
+    "add_arguments",
+    "cli_values",
+    "load_config",
+    "markdown_table",
+]
 
-_log = logging.getLogger("ort_autopatch")
-
-#: Path of a TOML file to read instead of ``./pyproject.toml``.
+#: Path of a TOML file to read instead of `./pyproject.toml`; `none` reads no file at all (what
+#: `Config.to_env` exports, so a child started in another folder cannot pick up another file).
 ENV_CONFIG_FILE = "ORT_AUTOPATCH_CONFIG"
+_NO_FILE = "none"
+_TOML_TABLE = "[tool.ort_autopatch]"
 
-#: Field name -> environment variable (the names are a contract, see DESIGN.md).
-ENV_VARS: Mapping[str, str] = {
-    "enabled": "ORT_AUTOPATCH_ENABLED",
-    "modules": "ORT_AUTOPATCH_MODULES",
-    "exclude": "ORT_AUTOPATCH_EXCLUDE",
-    "skip_check": "ORT_AUTOPATCH_SKIPCHECK_POLICY",
-    "fallback": "ORT_AUTOPATCH_FALLBACK_POLICY",
-    "report": "ORT_AUTOPATCH_REPORT",
-    "log_level": "ORT_AUTOPATCH_LOG_LEVEL",
-    "cache_dir": "ORT_AUTOPATCH_CACHE_DIR",
-    "save_onnx": "ORT_AUTOPATCH_SAVE_ONNX",
-    "opset": "ORT_AUTOPATCH_OPSET",
-    "threads": "ORT_AUTOPATCH_THREADS",
-    "cache_size": "ORT_AUTOPATCH_CACHE_SIZE",
-}
 
-# ORTModule's own variables, read when ours are unset so existing ORTModule setups carry over.
-_ORTMODULE_ENV_VARS: Mapping[str, str] = {
-    "skip_check": "ORTMODULE_SKIPCHECK_POLICY",
-    "fallback": "ORTMODULE_FALLBACK_POLICY",
-}
+# --- kinds of values ---------------------------------------------------------------------------
 
-# The CLI flag that sets each field, for error messages (the launcher defines the same names).
-_CLI_FLAGS: Mapping[str, str] = {
-    "enabled": "--disable",
-    "modules": "--modules",
-    "exclude": "--exclude",
-    "skip_check": "--skip-check",
-    "fallback": "--fallback",
-    "report": "--report",
-    "log_level": "--log-level",
-    "cache_dir": "--cache-dir",
-    "save_onnx": "--save-onnx",
-    "opset": "--opset",
-    "threads": "--threads",
-    "cache_size": "--cache-size",
-}
+
+class Kind:
+    """How one kind of value is read from text (environment, flag) or from a Python value (TOML,
+    `load_config(cli=...)`), validated, described, and written back as text for `to_env`."""
+
+    type_name = "a string"  # what a Python value must be: the `expected ...` of an error
+    accepted = ""  # what is accepted, for errors, `--help` and the README
+    metavar = "VALUE"
+    repeatable = False  # the flag may be given several times (values joined)
+    empty_allowed = False  # '' is a value (an empty list), not an error, from TOML/CLI
+
+    def parse(self, text: str, where: str) -> Any:
+        """The value of `text`, or ConfigError naming `where`."""
+        return text.strip()
+
+    def from_python(self, raw: object) -> tuple[bool, object]:
+        """(True, value) if `raw` already is a final value; (False, text) to parse `text`, which
+        is not a str when `raw` has the wrong type."""
+        if isinstance(raw, os.PathLike):
+            return False, os.fspath(raw)
+        return False, raw
+
+    def text(self, value: Any) -> str:
+        """The environment form of `value` (`''` = unset); `parse(text(v)) == v`."""
+        return "" if value is None else str(value)
+
+    def relative_to(self, value: Any, base: pathlib.Path) -> Any:
+        """A value from a file, resolved next to that file (paths only)."""
+        return value
+
+
+class Switch(Kind):
+    type_name = "a boolean"
+    _true = ("1", "true", "yes", "on")
+    _false = ("0", "false", "no", "off")
+    accepted = ", ".join(f"{t}/{f}" for t, f in zip(_true, _false, strict=True))
+    metavar = "BOOL"
+
+    def parse(self, text: str, where: str) -> bool:
+        word = text.strip().lower()
+        if word in self._true:
+            return True
+        if word in self._false:
+            return False
+        raise ConfigError(where, text, "not a boolean", self.accepted)
+
+    def from_python(self, raw: object) -> tuple[bool, object]:
+        return (True, raw) if isinstance(raw, bool) else (False, raw)
+
+    def text(self, value: Any) -> str:
+        return "1" if value else "0"
+
+
+class Patterns(Kind):
+    type_name = "a string or a list of strings"
+    accepted = (
+        "a comma list of 'module.path:Class' entries, fnmatch wildcards allowed on both "
+        "sides (e.g. 'mypkg.models:Net,__main__:*Head')"
+    )
+    metavar = "PATTERNS"
+    repeatable = True
+    empty_allowed = True
+
+    def parse(self, text: str, where: str) -> tuple[str, ...]:
+        if not text.strip():
+            return ()
+        patterns = []
+        for entry in (part.strip() for part in text.split(",")):
+            problem = self._problem(entry)
+            if problem:
+                raise ConfigError(where, text, problem, self.accepted)
+            patterns.append(entry)
+        return tuple(patterns)
+
+    @staticmethod
+    def _problem(entry: str) -> str:
+        if not entry:
+            return "empty entry in the comma list"
+        module, colon, cls = entry.partition(":")
+        if not colon:
+            return f"entry {entry!r} has no ':Class'"
+        if ":" in cls:
+            return f"entry {entry!r} has more than one ':'"
+        if not module.strip() or not cls.strip():
+            return f"entry {entry!r} has an empty side"
+        if any(ch.isspace() for ch in entry):
+            return f"entry {entry!r} contains whitespace"
+        return ""
+
+    def from_python(self, raw: object) -> tuple[bool, object]:
+        return False, ",".join(raw) if _is_str_sequence(raw) else raw  # type: ignore[arg-type]
+
+    def text(self, value: Any) -> str:
+        return ",".join(value)
+
+
+class Policy(Kind):
+    type_name = "a string or a list of names"
+    metavar = "NAMES"
+
+    def __init__(self, flags: type[SkipCheck] | type[Fallback], none: str) -> None:
+        self.flags = flags
+        self.none = none  # the name of the empty policy, so that `text` is never ''
+        self.accepted = ", ".join(names(flags(~0))) + " (join several with '|')"
+        self._parse = parse_skip_check if flags is SkipCheck else parse_fallback
+
+    def parse(self, text: str, where: str) -> Any:
+        return self._parse(text, where)
+
+    def from_python(self, raw: object) -> tuple[bool, object]:
+        if raw.__class__ is self.flags:
+            return True, raw
+        return False, "|".join(raw) if _is_str_sequence(raw) else raw  # type: ignore[arg-type]
+
+    def text(self, value: Any) -> str:
+        return "|".join(names(value)) or self.none
+
+
+class Integer(Kind):
+    type_name = "an integer"
+    metavar = "N"
+
+    def __init__(self, valid: Callable[[int], bool], accepted: str) -> None:
+        self.valid = valid
+        self.accepted = accepted
+
+    def parse(self, text: str, where: str) -> int:
+        try:
+            number = int(text.strip(), 10)
+        except ValueError:
+            raise ConfigError(where, text, "not an integer", self.accepted) from None
+        if not self.valid(number):
+            raise ConfigError(where, text, "out of range", self.accepted)
+        return number
+
+    def from_python(self, raw: object) -> tuple[bool, object]:
+        if isinstance(raw, bool):
+            return False, raw  # True is an int to Python, never a count to a user
+        return (False, str(raw)) if isinstance(raw, int) else (False, raw)
+
+
+class Choice(Kind):
+    metavar = "NAME"
+
+    def __init__(self, choices: Iterable[str], what: str) -> None:
+        self.choices = tuple(choices)
+        self.what = what
+        self.accepted = ", ".join(self.choices)
+
+    def parse(self, text: str, where: str) -> str:
+        word = text.strip().upper()
+        if word not in self.choices:
+            raise ConfigError(where, text, f"unknown {self.what}", self.accepted)
+        return word
+
+
+class Folder(Kind):
+    type_name = "a path string"
+    accepted = "a path"
+    metavar = "DIR"
+
+    def parse(self, text: str, where: str) -> pathlib.Path:
+        return pathlib.Path(text.strip()).expanduser()
+
+    def relative_to(self, value: Any, base: pathlib.Path) -> Any:
+        return value if value.is_absolute() else base / value
+
+
+class ReportPath(Kind):
+    type_name = "a path string"
+    accepted = "a path, or '-' for a text summary on stderr"
+    metavar = "PATH"
+
+    def relative_to(self, value: Any, base: pathlib.Path) -> Any:
+        return value if value == "-" or pathlib.Path(value).is_absolute() else str(base / value)
+
+
+def _is_str_sequence(raw: object) -> bool:
+    return isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw)
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+
+class _Unset(enum.Enum):
+    TAKES_VALUE = "takes a value"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option: its `Config` field name, environment variable, flag and kind of value."""
+
+    env: str
+    flag: str
+    kind: Kind
+    help: str
+    #: For a flag that takes no value (`--disable`): the value the flag sets.
+    flag_sets: object = _Unset.TAKES_VALUE
+    #: Another variable read when ours is unset (ORTModule's, so its setups carry over).
+    also_env: str | None = None
+    #: Passed to the engine (`EngineOptions`) under the same name.
+    engine: bool = False
+    name: str = ""  # filled in from the `Config` field
+
+    def describe(self, default: Any) -> str:
+        """`--help`'s line: the help, the default when there is one, the variable."""
+        shown = self.kind.text(default)
+        if not shown or self.flag_sets is not _Unset.TAKES_VALUE:
+            return f"{self.help} [{self.env}]"
+        return f"{self.help} (default {shown}) [{self.env}]"
+
+
+def option(default: Any, **declaration: Any) -> Any:
+    """A `Config` field declared as an option (see `Option` for the keywords)."""
+    return dataclasses.field(default=default, metadata={"option": Option(**declaration)})
+
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 OPSET_RANGE = range(14, 21)
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-_TOML_TABLE = "[tool.ort_autopatch]"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything activation needs, validated; build it with ``load_config``."""
+    """Everything activation needs, validated; build it with `load_config`.
 
-    enabled: bool = True
-    modules: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    skip_check: SkipCheck = DEFAULT_SKIP_CHECK
-    fallback: Fallback = DEFAULT_FALLBACK
-    report: str | None = None
-    log_level: str = "WARNING"
-    cache_dir: pathlib.Path | None = None
-    save_onnx: pathlib.Path | None = None
-    opset: int = 17
-    threads: int | None = None
-    cache_size: int = 8
+    Each field is one option. To add one, add a field here (and use it); see docs/options.md.
+    """
+
+    enabled: bool = option(
+        True,
+        env="ORT_AUTOPATCH_ENABLED",
+        flag="--disable",
+        flag_sets=False,
+        kind=Switch(),
+        help="install nothing; run the script plainly (the variable: 0 does the same)",
+    )
+    modules: tuple[str, ...] = option(
+        (),
+        env="ORT_AUTOPATCH_MODULES",
+        flag="--modules",
+        kind=Patterns(),
+        help="classes to accelerate ('__main__:Net' for a class of the script itself); repeatable",
+    )
+    exclude: tuple[str, ...] = option(
+        (),
+        env="ORT_AUTOPATCH_EXCLUDE",
+        flag="--exclude",
+        kind=Patterns(),
+        help="classes never to accelerate (same syntax; wins over --modules); repeatable",
+    )
+    skip_check: SkipCheck = option(
+        DEFAULT_SKIP_CHECK,
+        env="ORT_AUTOPATCH_SKIPCHECK_POLICY",
+        flag="--skip-check",
+        also_env="ORTMODULE_SKIPCHECK_POLICY",
+        kind=Policy(SkipCheck, none="SKIP_CHECK_DISABLED"),
+        help="'|'-joined SKIP_CHECK_* names (ORTModule's; ORTMODULE_SKIPCHECK_POLICY is read "
+        "when unset)",
+    )
+    fallback: Fallback = option(
+        DEFAULT_FALLBACK,
+        env="ORT_AUTOPATCH_FALLBACK_POLICY",
+        flag="--fallback",
+        also_env="ORTMODULE_FALLBACK_POLICY",
+        kind=Policy(Fallback, none="FALLBACK_DISABLE"),
+        help="'|'-joined FALLBACK_* names (ORTModule's; ORTMODULE_FALLBACK_POLICY is read when "
+        "unset); FALLBACK_DISABLE raises instead of running a class in PyTorch",
+    )
+    report: str | None = option(
+        None,
+        env="ORT_AUTOPATCH_REPORT",
+        flag="--report",
+        kind=ReportPath(),
+        help="JSON report written at exit; '{rank}' in it gives one file per rank; '-' prints "
+        "a text summary on stderr instead",
+    )
+    log_level: str = option(
+        "WARNING",
+        env="ORT_AUTOPATCH_LOG_LEVEL",
+        flag="--log-level",
+        kind=Choice(LOG_LEVELS, what="log level"),
+        help="level of the tool's log records; INFO adds the summary at exit",
+    )
+    cache_dir: pathlib.Path | None = option(
+        None,
+        env="ORT_AUTOPATCH_CACHE_DIR",
+        flag="--cache-dir",
+        kind=Folder(),
+        engine=True,
+        help="persistent graph cache: a second run loads its graphs instead of exporting",
+    )
+    save_onnx: pathlib.Path | None = option(
+        None,
+        env="ORT_AUTOPATCH_SAVE_ONNX",
+        flag="--save-onnx",
+        kind=Folder(),
+        engine=True,
+        help="write every exported graph and its gradient graph here (attach them to a bug report)",
+    )
+    opset: int = option(
+        17,
+        env="ORT_AUTOPATCH_OPSET",
+        flag="--opset",
+        kind=Integer(
+            OPSET_RANGE.__contains__,
+            f"an integer from {OPSET_RANGE.start} to {OPSET_RANGE.stop - 1}",
+        ),
+        engine=True,
+        help="ONNX opset for export",
+    )
+    threads: int | None = option(
+        None,
+        env="ORT_AUTOPATCH_THREADS",
+        flag="--threads",
+        kind=Integer(lambda n: n > 0, "a positive integer (unset: follow torch.get_num_threads())"),
+        engine=True,
+        help="ONNX Runtime intra-op threads",
+    )
+    cache_size: int = option(
+        8,
+        env="ORT_AUTOPATCH_CACHE_SIZE",
+        flag="--cache-size",
+        kind=Integer(lambda n: n > 0, "a positive integer (graphs kept per module instance)"),
+        engine=True,
+        help="graphs kept in memory per module instance",
+    )
 
     def to_env(self) -> dict[str, str]:
-        """Environment variables that make ``load_config`` in a child rebuild this Config.
+        """Environment variables that make `load_config` in a child rebuild this Config.
 
-        Every ORT_AUTOPATCH_* field variable is present; a field that is None maps to ``''``,
-        which ``load_config`` reads as unset, so merging this over an inherited environment
-        (``{**os.environ, **config.to_env()}``) also clears stale values from the parent.
-        The ORT_AUTOPATCH_* policy variables are always set, so ORTMODULE_* ones cannot leak in.
+        Every option's variable is present; a field that is None maps to `''`, which
+        `load_config` reads as unset, so merging this over an inherited environment
+        (`{**os.environ, **config.to_env()}`) also clears stale values from the parent. Policy
+        variables are never empty, so ORTMODULE_* ones cannot leak in, and no TOML file is read
+        (its values are already here), whatever folder the child starts in.
         """
-        return {
-            ENV_VARS["enabled"]: "1" if self.enabled else "0",
-            ENV_VARS["modules"]: ",".join(self.modules),
-            ENV_VARS["exclude"]: ",".join(self.exclude),
-            ENV_VARS["skip_check"]: "|".join(names(self.skip_check)) or "SKIP_CHECK_DISABLED",
-            ENV_VARS["fallback"]: "|".join(names(self.fallback)) or "FALLBACK_DISABLE",
-            ENV_VARS["report"]: self.report or "",
-            ENV_VARS["log_level"]: self.log_level,
-            ENV_VARS["cache_dir"]: "" if self.cache_dir is None else str(self.cache_dir),
-            ENV_VARS["save_onnx"]: "" if self.save_onnx is None else str(self.save_onnx),
-            ENV_VARS["opset"]: str(self.opset),
-            ENV_VARS["threads"]: "" if self.threads is None else str(self.threads),
-            ENV_VARS["cache_size"]: str(self.cache_size),
-        }
+        env = {opt.env: opt.kind.text(getattr(self, opt.name)) for opt in OPTIONS}
+        env[ENV_CONFIG_FILE] = _NO_FILE
+        return env
+
+    def engine_values(self) -> dict[str, Any]:
+        """The options the engine takes, by name (`EngineOptions(**config.engine_values())`)."""
+        return {opt.name: getattr(self, opt.name) for opt in OPTIONS if opt.engine}
+
+
+#: Every option, in declaration order.
+OPTIONS: tuple[Option, ...] = tuple(
+    dataclasses.replace(f.metadata["option"], name=f.name) for f in dataclasses.fields(Config)
+)
+_BY_NAME: Mapping[str, Option] = {opt.name: opt for opt in OPTIONS}
+#: Field name -> environment variable (the names are a contract).
+ENV_VARS: Mapping[str, str] = {opt.name: opt.env for opt in OPTIONS}
+_DEFAULTS = Config()
+
+
+# --- derived: argparse, the README table -------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option; `cli_values` reads them back for `load_config(cli=...)`."""
+    for opt in OPTIONS:
+        help_text = opt.describe(getattr(_DEFAULTS, opt.name))
+        if opt.flag_sets is not _Unset.TAKES_VALUE:
+            parser.add_argument(
+                opt.flag, dest=opt.name, action="store_const", const=opt.flag_sets, help=help_text
+            )
+        elif opt.kind.repeatable:
+            parser.add_argument(
+                opt.flag, dest=opt.name, action="append", metavar=opt.kind.metavar, help=help_text
+            )
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, metavar=opt.kind.metavar, help=help_text)
+
+
+def cli_values(ns: argparse.Namespace) -> dict[str, object]:
+    """The options `add_arguments` parsed; None = not given. Repeated flags are joined."""
+    values: dict[str, object] = {}
+    for opt in OPTIONS:
+        value = getattr(ns, opt.name, None)
+        values[opt.name] = ",".join(value) if isinstance(value, list) else value
+    return values
+
+
+def markdown_table() -> str:
+    """The README's option table (a test keeps the README equal to it)."""
+    rows = [
+        "| variable | flag | TOML key | default | accepted | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for opt in OPTIONS:
+        default = opt.kind.text(getattr(_DEFAULTS, opt.name))
+        cells = (
+            f"`{opt.env}`",
+            f"`{opt.flag}`",
+            f"`{opt.name}`",
+            f"`{default}`" if default else "unset",
+            opt.kind.accepted,
+            opt.help,
+        )
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows)
+
+
+# --- reading -----------------------------------------------------------------------------------
 
 
 def load_config(
@@ -128,11 +470,11 @@ def load_config(
 ) -> Config:
     """Merge CLI > environment > TOML file > defaults into one validated Config.
 
-    ``cli`` keys are Config field names (plus ``disable``); a None value means "flag not given".
-    ``environ`` defaults to ``os.environ``; an empty variable counts as unset, as Python's own
-    PYTHON* variables do. The TOML file is ``$ORT_AUTOPATCH_CONFIG`` (an error if it is missing or
-    unreadable) or else the ``[tool.ort_autopatch]`` table of ``cwd/pyproject.toml`` if there is
-    one. Raises ConfigError naming the variable, flag or TOML key, the value and what is accepted.
+    `cli` keys are Config field names; a None value means "flag not given". `environ` defaults to
+    `os.environ`; an empty variable counts as unset, as Python's own PYTHON* variables do. The
+    TOML file is `$ORT_AUTOPATCH_CONFIG` (an error if it is missing or unreadable; `none` reads no
+    file) or else the `[tool.ort_autopatch]` table of `cwd/pyproject.toml` if there is one.
+    Raises ConfigError naming the variable, flag or TOML key, the value and what is accepted.
     """
     environ = os.environ if environ is None else environ
     cwd = pathlib.Path.cwd() if cwd is None else cwd
@@ -143,49 +485,45 @@ def load_config(
     return Config(**values)
 
 
-# --- sources -----------------------------------------------------------------------------------
-
-
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for field, variable in ENV_VARS.items():
+    for opt in OPTIONS:
+        variable = opt.env
         raw = environ.get(variable, "")
-        if not raw.strip() and field in _ORTMODULE_ENV_VARS:
-            variable = _ORTMODULE_ENV_VARS[field]
+        if not raw.strip() and opt.also_env:
+            variable = opt.also_env
             raw = environ.get(variable, "")
         if raw.strip():
-            values[field] = _PARSERS[field](raw, variable)
+            values[opt.name] = opt.kind.parse(raw, variable)
     return values
 
 
 def _from_cli(cli: Mapping[str, object]) -> dict[str, Any]:
-    unknown = sorted(set(cli) - set(_CLI_FLAGS) - {"disable"})
+    unknown = sorted(set(cli) - set(_BY_NAME))
     if unknown:
         # A programming error in the launcher, not a user error: fail loudly and differently.
-        raise TypeError(f"load_config: unknown CLI keys {unknown}; accepted: {sorted(_CLI_FLAGS)}")
-    values: dict[str, Any] = {}
-    for key, raw in cli.items():
-        if raw is None:
-            continue
-        if key == "disable":
-            if not isinstance(raw, bool):
-                raise ConfigError("--disable", raw, "expected a flag (True/False)", "True, False")
-            if raw:
-                values["enabled"] = False
-            continue
-        values[key] = _parse_typed(key, raw, _CLI_FLAGS[key])
-    return values
+        raise TypeError(f"load_config: unknown CLI keys {unknown}; accepted: {sorted(_BY_NAME)}")
+    return {
+        name: _parse_python(_BY_NAME[name], raw, _BY_NAME[name].flag)
+        for name, raw in cli.items()
+        if raw is not None
+    }
 
 
 def _from_toml(environ: Mapping[str, str], cwd: pathlib.Path) -> dict[str, Any]:
     explicit = environ.get(ENV_CONFIG_FILE, "").strip()
+    if explicit.lower() == _NO_FILE:
+        return {}
     if explicit:
         path = pathlib.Path(explicit).expanduser()
         if not path.is_absolute():
             path = cwd / path
         if not path.is_file():
             raise ConfigError(
-                ENV_CONFIG_FILE, explicit, "no such file", "the path of an existing TOML file"
+                ENV_CONFIG_FILE,
+                explicit,
+                "no such file",
+                f"the path of an existing TOML file, or '{_NO_FILE}' to read none",
             )
         document = _read_toml(path, ENV_CONFIG_FILE, explicit)
         # A dedicated file may hold the keys at top level or, like pyproject.toml, in the table.
@@ -213,33 +551,17 @@ def _from_toml(environ: Mapping[str, str], cwd: pathlib.Path) -> dict[str, Any]:
 def _read_toml(
     path: pathlib.Path, variable: str, shown: str, text: str | None = None
 ) -> dict[str, Any]:
-    loads = _toml_loads()
-    if loads is None:
-        raise ConfigError(
-            variable,
-            shown,
-            "reading TOML needs Python 3.11+ or the 'tomli' package",
-            "a TOML file once tomli is installed, or settings in ORT_AUTOPATCH_* variables",
-        )
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10: a declared dependency there
+        import tomli as tomllib
     try:
         if text is None:
             text = path.read_text(encoding="utf-8")
-        return loads(text)
+        return tomllib.loads(text)
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError is a ValueError
         reason = f"cannot read it as TOML ({exc})"
         raise ConfigError(variable, shown, reason, "a TOML file") from exc
-
-
-def _toml_loads() -> Callable[[str], dict[str, Any]] | None:
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib.loads
-    try:  # pragma: no cover - Python 3.10 only
-        import tomli
-    except ImportError:  # pragma: no cover - Python 3.10 only
-        return None
-    return tomli.loads  # pragma: no cover
 
 
 def _tool_table(document: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -253,171 +575,32 @@ def _tool_table(document: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def _parse_table(table: Mapping[str, Any], where: str, base: pathlib.Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    accepted = ", ".join(ENV_VARS)
     for key, raw in table.items():
-        field = key.replace("-", "_")
+        opt = _BY_NAME.get(key.replace("-", "_"))
         variable = f"{where} {key}"
-        if field not in ENV_VARS:
-            raise ConfigError(variable, raw, "unknown key", accepted)
-        value = _parse_typed(field, raw, variable)
+        if opt is None:
+            raise ConfigError(variable, raw, "unknown key", ", ".join(_BY_NAME))
         # Relative paths in a file mean "next to the file", as in other tools' configs.
-        if isinstance(value, pathlib.Path) and not value.is_absolute():
-            value = base / value
-        elif field == "report" and value != "-" and not pathlib.Path(value).is_absolute():
-            value = str(base / value)
-        values[field] = value
+        values[opt.name] = opt.kind.relative_to(_parse_python(opt, raw, variable), base)
     return values
 
 
-# --- typed values (TOML and CLI pass Python objects; the environment passes strings) ----------
+def _parse_python(opt: Option, raw: object, where: str) -> Any:
+    """A value from TOML or `cli=`: its natural Python type, or its string form.
 
-
-def _parse_typed(field: str, raw: object, variable: str) -> Any:
-    """Accept the natural Python type for ``field`` as well as its string form.
-
-    Errors quote the value as the user wrote it (``0``, ``["a"]``), not our string form of it.
+    Errors quote the value as the user wrote it (`0`, `["a"]`), not our string form of it.
     """
-    if field == "enabled" and isinstance(raw, bool):
-        return raw
-    if field in ("skip_check", "fallback") and raw.__class__ is _POLICY_TYPES[field]:
-        return raw
-    text: object = raw
-    if field in ("opset", "threads", "cache_size") and isinstance(raw, int):
-        if isinstance(raw, bool):
-            raise ConfigError(variable, raw, "expected an integer", _INT_ACCEPTED[field])
-        text = str(raw)
-    elif field in ("modules", "exclude") and _is_str_sequence(raw):
-        text = ",".join(raw)  # type: ignore[arg-type]
-    elif field in ("skip_check", "fallback") and _is_str_sequence(raw):
-        text = "|".join(raw)  # type: ignore[arg-type]
-    elif field in ("cache_dir", "save_onnx", "report") and isinstance(raw, os.PathLike):
-        text = os.fspath(raw)
+    kind = opt.kind
+    final, text = kind.from_python(raw)
+    if final:
+        return text
     if not isinstance(text, str):
-        raise ConfigError(variable, raw, f"expected {_TYPE_NAMES[field]}", _accepted(field))
-    if not text.strip() and field not in ("modules", "exclude"):
-        raise ConfigError(variable, raw, "empty value", _accepted(field))
+        raise ConfigError(where, raw, f"expected {kind.type_name}", kind.accepted)
+    if not text.strip() and not kind.empty_allowed:
+        raise ConfigError(where, raw, "empty value", kind.accepted)
     try:
-        return _PARSERS[field](text, variable)
+        return kind.parse(text, where)
     except ConfigError as error:
         if text is raw:
             raise
-        raise ConfigError(variable, raw, error.reason, error.accepted) from None
-
-
-def _is_str_sequence(raw: object) -> bool:
-    return isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw)
-
-
-# --- string parsers, shared by every source ----------------------------------------------------
-
-
-def _parse_bool(raw: str, variable: str) -> bool:
-    word = raw.strip().lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ConfigError(variable, raw, "not a boolean", _accepted("enabled"))
-
-
-def _parse_patterns(raw: str, variable: str) -> tuple[str, ...]:
-    if not raw.strip():
-        return ()
-    accepted = _accepted("modules")
-    patterns = []
-    for entry in (part.strip() for part in raw.split(",")):
-        if not entry:
-            raise ConfigError(variable, raw, "empty entry in the comma list", accepted)
-        module, colon, cls = entry.partition(":")
-        if not colon:
-            raise ConfigError(variable, raw, f"entry {entry!r} has no ':Class'", accepted)
-        if ":" in cls:
-            raise ConfigError(variable, raw, f"entry {entry!r} has more than one ':'", accepted)
-        if not module.strip() or not cls.strip():
-            raise ConfigError(variable, raw, f"entry {entry!r} has an empty side", accepted)
-        if any(ch.isspace() for ch in entry):
-            raise ConfigError(variable, raw, f"entry {entry!r} contains whitespace", accepted)
-        patterns.append(entry)
-    return tuple(patterns)
-
-
-def _parse_level(raw: str, variable: str) -> str:
-    level = raw.strip().upper()
-    if level not in LOG_LEVELS:
-        raise ConfigError(variable, raw, "unknown log level", _accepted("log_level"))
-    return level
-
-
-def _parse_int(field: str, raw: str, variable: str, valid: Callable[[int], bool]) -> int:
-    try:
-        number = int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(variable, raw, "not an integer", _INT_ACCEPTED[field]) from None
-    if not valid(number):
-        raise ConfigError(variable, raw, "out of range", _INT_ACCEPTED[field])
-    return number
-
-
-def _parse_path(raw: str, variable: str) -> pathlib.Path:
-    return pathlib.Path(raw.strip()).expanduser()
-
-
-def _parse_report(raw: str, variable: str) -> str:
-    return raw.strip()
-
-
-_INT_ACCEPTED: Mapping[str, str] = {
-    "opset": f"an integer from {OPSET_RANGE.start} to {OPSET_RANGE.stop - 1}",
-    "threads": "a positive integer (unset: follow torch.get_num_threads())",
-    "cache_size": "a positive integer (graphs kept per module instance)",
-}
-
-_PARSERS: Mapping[str, Callable[[str, str], Any]] = {
-    "enabled": _parse_bool,
-    "modules": _parse_patterns,
-    "exclude": _parse_patterns,
-    "skip_check": parse_skip_check,
-    "fallback": parse_fallback,
-    "report": _parse_report,
-    "log_level": _parse_level,
-    "cache_dir": _parse_path,
-    "save_onnx": _parse_path,
-    "opset": lambda raw, var: _parse_int("opset", raw, var, OPSET_RANGE.__contains__),
-    "threads": lambda raw, var: _parse_int("threads", raw, var, lambda n: n > 0),
-    "cache_size": lambda raw, var: _parse_int("cache_size", raw, var, lambda n: n > 0),
-}
-
-_POLICY_TYPES: Mapping[str, type] = {"skip_check": SkipCheck, "fallback": Fallback}
-
-_TYPE_NAMES: Mapping[str, str] = {
-    "enabled": "a boolean",
-    "modules": "a string or a list of strings",
-    "exclude": "a string or a list of strings",
-    "skip_check": "a string or a list of names",
-    "fallback": "a string or a list of names",
-    "report": "a path string",
-    "log_level": "a string",
-    "cache_dir": "a path string",
-    "save_onnx": "a path string",
-    "opset": "an integer",
-    "threads": "an integer",
-    "cache_size": "an integer",
-}
-
-
-def _accepted(field: str) -> str:
-    if field == "enabled":
-        return ", ".join(f"{t}/{f}" for t, f in zip(_TRUE, _FALSE, strict=True))
-    if field in ("modules", "exclude"):
-        return (
-            "a comma list of 'module.path:Class' entries, fnmatch wildcards allowed on both "
-            "sides (e.g. 'mypkg.models:Net,__main__:*Head')"
-        )
-    if field in ("skip_check", "fallback"):
-        every = SkipCheck(~0) if field == "skip_check" else Fallback(~0)
-        return ", ".join(names(every)) + " (join several with '|')"
-    if field == "log_level":
-        return ", ".join(LOG_LEVELS)
-    if field in _INT_ACCEPTED:
-        return _INT_ACCEPTED[field]
-    return "a path" if field != "report" else "a path, or '-' for a text summary on stderr"
+        raise ConfigError(where, raw, error.reason, error.accepted) from None

@@ -186,11 +186,6 @@ class ImportHook:
         self._previous_init_subclass: Any = _MISSING
         self._our_init_subclass: Any = None
 
-    @property
-    def installed(self) -> bool:
-        """Whether the hook is currently active."""
-        return self._installed
-
     def install(self) -> None:
         """Put the finder first on ``sys.meta_path``, hook torch, and scan what is loaded."""
         with self._lock:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -70,19 +69,15 @@ def reset() -> None:
 # Nothing below imports torch or onnxruntime: versions come from package metadata (or from torch
 # when the run already imported it), so writing a report never costs an import at exit.
 
-_ORT_DISTRIBUTIONS = (
-    "onnxruntime-training",
-    "onnxruntime-training-cpu",
-    "onnxruntime",
-    "onnxruntime-gpu",
-)
-
 
 def prepare() -> None:
     """Import what ``build``/``write`` need, so that nothing is imported at interpreter exit."""
     import importlib.metadata  # noqa: F401
     import json  # noqa: F401
     import tempfile  # noqa: F401
+
+    import ort_autopatch.engine.runtime
+    import ort_autopatch.files  # noqa: F401
 
 
 def distribution_version(*names: str) -> str | None:
@@ -102,13 +97,14 @@ def versions() -> dict[str, str | None]:
     import sys
 
     from ort_autopatch import __version__
+    from ort_autopatch.engine import runtime
 
     torch_mod = sys.modules.get("torch")
     torch_version = getattr(torch_mod, "__version__", None) or distribution_version("torch")
     return {
         "version": __version__,
         "torch": None if torch_version is None else str(torch_version),
-        "onnxruntime": distribution_version(*_ORT_DISTRIBUTIONS),
+        "onnxruntime": runtime.version(),
     }
 
 
@@ -129,20 +125,11 @@ def write(path: str, data: dict[str, Any]) -> None:
     """Write the JSON report atomically (a reader never sees half a file)."""
     import json
     import os
-    import tempfile
 
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ort_autopatch-report-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2, sort_keys=False)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from ort_autopatch.files import write_atomically
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomically(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
 
 
 def summary(data: dict[str, Any], max_classes: int = 12) -> str:

@@ -9,7 +9,17 @@ import textwrap
 
 import pytest
 
-from ort_autopatch.config import ENV_VARS, Config, ConfigError, load_config
+from ort_autopatch.cli import build_parser
+from ort_autopatch.config import (
+    ENV_CONFIG_FILE,
+    ENV_VARS,
+    OPTIONS,
+    Config,
+    ConfigError,
+    cli_values,
+    load_config,
+    markdown_table,
+)
 from ort_autopatch.policy import DEFAULT_FALLBACK, DEFAULT_SKIP_CHECK, Fallback, SkipCheck
 
 
@@ -90,18 +100,19 @@ def test_enabled_rejects_other_words(empty_dir: pathlib.Path) -> None:
     assert_names(info.value, "ORT_AUTOPATCH_ENABLED", "maybe", "1/0", "true/false", "on/off")
 
 
+def from_flags(empty_dir: pathlib.Path, *flags: str, **environ: str) -> Config:
+    ns = build_parser().parse_args(list(flags))
+    return load_config(cli=cli_values(ns), environ=environ, cwd=empty_dir)
+
+
 def test_cli_disable_turns_the_tool_off(empty_dir: pathlib.Path) -> None:
-    config = load_config(
-        cli={"disable": True}, environ={"ORT_AUTOPATCH_ENABLED": "1"}, cwd=empty_dir
-    )
+    config = from_flags(empty_dir, "--disable", ORT_AUTOPATCH_ENABLED="1")
     assert config.enabled is False
 
 
-def test_cli_disable_false_leaves_enabled_alone(empty_dir: pathlib.Path) -> None:
-    config = load_config(
-        cli={"disable": False}, environ={"ORT_AUTOPATCH_ENABLED": "0"}, cwd=empty_dir
-    )
-    assert config.enabled is False
+def test_cli_without_disable_leaves_enabled_alone(empty_dir: pathlib.Path) -> None:
+    assert from_flags(empty_dir, ORT_AUTOPATCH_ENABLED="0").enabled is False
+    assert from_flags(empty_dir, ORT_AUTOPATCH_ENABLED="1").enabled is True
 
 
 # --- modules / exclude --------------------------------------------------------------------------
@@ -535,5 +546,63 @@ def test_to_env_overrides_stale_inherited_values(empty_dir: pathlib.Path) -> Non
     assert load_config(environ={**inherited, **config.to_env()}, cwd=empty_dir) == config
 
 
-def test_to_env_sets_only_ort_autopatch_variables() -> None:
-    assert set(Config().to_env()) == set(ENV_VARS.values())
+def test_to_env_sets_every_option_and_reads_no_file_in_the_child() -> None:
+    assert set(Config().to_env()) == {*ENV_VARS.values(), ENV_CONFIG_FILE}
+    assert Config().to_env()[ENV_CONFIG_FILE] == "none"
+
+
+def test_to_env_wins_over_a_pyproject_where_the_child_starts(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.ort_autopatch]\nthreads = 3\nreport = "x"\n')
+    config = Config(modules=("a:B",))
+    assert load_config(environ=config.to_env(), cwd=tmp_path) == config
+
+
+# --- the option table ---------------------------------------------------------------------------
+
+
+def test_every_option_has_a_flag_in_the_launchers_help() -> None:
+    help_text = build_parser().format_help()
+    for opt in OPTIONS:
+        assert opt.flag in help_text
+        assert f"[{opt.env}]" in help_text
+
+
+def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
+    full = Config(
+        enabled=False,
+        modules=("a:B",),
+        exclude=("a:C",),
+        skip_check=SkipCheck.SKIP_CHECK_DEVICE,
+        fallback=Fallback.FALLBACK_DISABLE,
+        report="r.json",
+        log_level="DEBUG",
+        cache_dir=pathlib.Path("/c"),
+        save_onnx=pathlib.Path("/s"),
+        opset=15,
+        threads=2,
+        cache_size=3,
+    )
+    flags: list[str] = []
+    for opt in OPTIONS:
+        value = getattr(full, opt.name)
+        if value == getattr(Config(), opt.name):
+            raise AssertionError(f"give {opt.name} a non-default value in this test")
+        if opt.flag_sets is value:
+            flags.append(opt.flag)
+        else:
+            flags += [opt.flag, opt.kind.text(value)]
+    assert from_flags(empty_dir, *flags) == full
+
+
+def test_engine_options_are_what_the_engine_takes() -> None:
+    from ort_autopatch.engine.module_engine import EngineOptions
+
+    values = Config().engine_values()
+    assert set(values) == {f.name for f in dataclasses.fields(EngineOptions)}
+    assert EngineOptions(**values) == EngineOptions()
+
+
+def test_readme_option_table_matches_the_declarations() -> None:
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- options:begin -->\n")[1].split("\n<!-- options:end -->")[0]
+    assert block == markdown_table(), "run: python tools/readme_options.py"

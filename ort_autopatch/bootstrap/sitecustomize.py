@@ -53,7 +53,7 @@ def _activate() -> None:
         from ort_autopatch.activation import activate
         from ort_autopatch.config import load_config
 
-        activate(load_config())
+        activate(load_config(), own_output=True)  # a child of the launcher's run
     except Exception as exc:
         _warn(
             f"activation failed in {sys.executable} (pid {os.getpid()}); it runs without "

@@ -39,15 +39,10 @@ class GraphCache(Generic[V]):
         self._lock = threading.Lock()
         self._building: dict[Hashable, threading.Lock] = {}
         self.builds = 0
-        self.hits = 0
         self.evictions = 0
 
     def __len__(self) -> int:
         return sum(1 for v in self._entries.values() if not isinstance(v, _Failed))
-
-    def values(self) -> list[V]:
-        with self._lock:
-            return [v for v in self._entries.values() if not isinstance(v, _Failed)]
 
     def clear(self) -> None:
         with self._lock:
@@ -60,7 +55,6 @@ class GraphCache(Generic[V]):
             if value is None:
                 return None
             self._entries.move_to_end(key)
-            self.hits += 1
         if isinstance(value, _Failed):
             raise value.error
         return value

@@ -1,7 +1,7 @@
 """Named, tested passes that make a TorchScript export trainable by ONNX Runtime 1.19.2.
 
-Each pass edits an `onnx.ModelProto` in place and says whether it changed anything, so tests
-can exercise them one by one and the session builder can log what it applied.
+Each pass edits an `onnx.ModelProto` in place and is named for the one fix it makes, so tests can
+exercise them one by one.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,7 +46,6 @@ class EngineOptions:
 
     opset: int = 17
     threads: int | None = None  # None: follow torch.get_num_threads()
-    spinning: bool = False
     cache_size: int = 8
     cache_dir: Path | None = None  # persistent graph cache
     save_onnx: Path | None = None  # folder to write exported and gradient graphs
@@ -89,7 +88,6 @@ class Recipe:
     output_spec: export.OutputSpec
     batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
     seeds_dropout: bool
-    passes: dict[str, int] = field(default_factory=dict)
     optimized: bytes | None = None  # ORT's optimised form of the graph that runs
 
 
@@ -151,7 +149,7 @@ class ModuleEngine:
         self._built: set[Hashable] = set()
         self._last_base: tuple[Any, ...] | None = None
         self._last_in_mode: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self.settings = session.SessionSettings(self.options.threads, self.options.spinning)
+        self.settings = session.SessionSettings(self.options.threads)
         self._store = _store_for(self.options.cache_dir)
 
     # -- introspection -------------------------------------------------------------------
@@ -166,11 +164,6 @@ class ModuleEngine:
     @property
     def evictions(self) -> int:
         return self._cache.evictions
-
-    @property
-    def submodules(self) -> list[torch.nn.Module]:
-        """Every module below the root as of the last structural check."""
-        return self._state.modules
 
     def submodule_hooks(self) -> bool:
         """Whether a module below the root carries hooks (which cannot run inside ORT)."""
@@ -380,19 +373,16 @@ class ModuleEngine:
         grad: bool,
     ) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
-        passes: dict[str, int] = {}
         graph.name_outputs(model)
         num_user_outputs = len(model.graph.output)
         graph.relax_shapes(model)
-        passes["layer_norm_outputs"] = graph.layer_norm_outputs(model)
-        passes["attention_dropout"] = graph.attention_dropout(model)
+        graph.layer_norm_outputs(model)
+        graph.attention_dropout(model)
         padding = _embedding_padding(state, exported.state_names)
         frozen = graph.embedding_padding(model, padding) if grad and padding else []
-        passes["embedding_padding"] = len(frozen)
         if grad:
-            passes["eval_batch_norm_arithmetic"] = graph.eval_batch_norm_arithmetic(model)
+            graph.eval_batch_norm_arithmetic(model)
         stats = graph.batch_norm_statistics(model)
-        passes["batch_norm_statistics"] = len(stats)
 
         user_index = {name: k for k, name in enumerate(exported.user_input_names)}
         sources: dict[str, tuple[str, Any]] = {}
@@ -455,7 +445,6 @@ class ModuleEngine:
             seeds_dropout=any(
                 n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node
             ),
-            passes=passes,
         )
 
     def _instantiate(

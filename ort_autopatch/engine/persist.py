@@ -148,7 +148,6 @@ def meta_of(recipe: Any) -> dict[str, Any] | None:
         "output_positions": spec.tensor_positions,
         "batch_norms": [list(b) for b in recipe.batch_norms],
         "seeds_dropout": recipe.seeds_dropout,
-        "passes": recipe.passes,
         "gradient": None
         if gradient is None
         else {
@@ -196,7 +195,6 @@ def recipe_from(stored: StoredEntry, cls: str) -> Any:
             output_spec=spec,
             batch_norms=[(str(b[0]), int(b[1]), int(b[2])) for b in meta["batch_norms"]],
             seeds_dropout=bool(meta["seeds_dropout"]),
-            passes={str(k): int(v) for k, v in meta["passes"].items()},
         )
     except Exception as exc:
         log.warning(

@@ -26,10 +26,8 @@ _ort: ModuleType | None = None
 
 def installed_distributions() -> dict[str, str]:
     """Installed ONNX Runtime distributions and their versions, from package metadata."""
-    try:
-        from importlib import metadata
-    except ImportError:  # pragma: no cover - Python < 3.8
-        import importlib_metadata as metadata  # type: ignore[no-redef]
+    from importlib import metadata
+
     found: dict[str, str] = {}
     for name in TRAINING_DISTRIBUTIONS + INFERENCE_DISTRIBUTIONS:
         try:
@@ -94,11 +92,9 @@ def _import() -> tuple[ModuleType, ModuleType]:
 
 
 def version() -> str | None:
-    """ONNX Runtime's version without importing it."""
-    for name, ver in installed_distributions().items():
-        if name in TRAINING_DISTRIBUTIONS:
-            return ver
-    return next(iter(installed_distributions().values()), None)
+    """ONNX Runtime's version without importing it (a training build's first)."""
+    found = installed_distributions()  # training builds first
+    return next(iter(found.values()), None)
 
 
 def available_providers() -> list[str]:

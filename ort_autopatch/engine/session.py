@@ -27,7 +27,6 @@ class SessionSettings:
     """How sessions are created; threads None means torch.get_num_threads()."""
 
     threads: int | None = None
-    spinning: bool = False
 
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -51,9 +50,9 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
     options.intra_op_num_threads = settings.threads or torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    spin = "1" if settings.spinning else "0"
-    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
-    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    # Spinning threads would burn the cores PyTorch needs between ORT calls.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return options
 
 

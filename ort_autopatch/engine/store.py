@@ -24,11 +24,12 @@ import logging
 import os
 import shutil
 import stat
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ort_autopatch.files import write_atomically
 
 log = logging.getLogger("ort_autopatch")
 
@@ -160,17 +161,7 @@ class GraphStore:
 
     # -- helpers -----------------------------------------------------------------------------
     def _write(self, path: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(path, data)
 
     def _read_json(self, path: Path) -> Any:
         try:

@@ -24,7 +24,8 @@ def _install(session: nox.Session, *extra: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite (CPU, onnxruntime-training-cpu)."""
-    _install(session, "pytest", "pytest-timeout", TRANSFORMERS, ACCELERATE, "numpy")
+    # setuptools: test_processes builds the wheel without build isolation.
+    _install(session, "pytest", "pytest-timeout", "setuptools", TRANSFORMERS, ACCELERATE, "numpy")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 

@@ -9,11 +9,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils import checkpoint
+from transformers import masking_utils as masking
 
 from ort_autopatch.engine import ModuleEngine, tracing
 from tests.helpers import assert_training_parity
-
-masking = pytest.importorskip("transformers.masking_utils")
 
 
 def _mask_functions() -> dict[str, Callable[..., Any]]:

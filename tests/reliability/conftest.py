@@ -15,21 +15,42 @@ from typing import Any
 
 import pytest
 
-_results: dict[str, dict[str, int]] = defaultdict(lambda: {"tried": 0, "survived": 0})
+# node id -> (scenario group, survived so far). A scenario is tried once it is collected and
+# started; it survives only if setup, call and teardown all pass, so an error in a fixture, a skip
+# or a file that fails to import counts as tried and not survived instead of vanishing.
+_scenarios: dict[str, tuple[str, bool]] = {}
+
+
+def _group(path: str) -> str:
+    return Path(path.split("::")[0]).stem.removeprefix("test_")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     outcome = yield
     report = outcome.get_result()
-    if report.when == "call" and "reliability" in str(item.fspath):
-        group = Path(str(item.fspath)).stem.removeprefix("test_")
-        _results[group]["tried"] += 1
-        _results[group]["survived"] += int(report.passed)
+    if "reliability" not in str(item.fspath):
+        return
+    _, survived = _scenarios.get(item.nodeid, ("", True))
+    _scenarios[item.nodeid] = (_group(str(item.fspath)), survived and report.passed)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed and "reliability" in report.nodeid:
+        _scenarios[report.nodeid] = (_group(report.nodeid), False)
+
+
+def _results() -> dict[str, dict[str, int]]:
+    results: dict[str, dict[str, int]] = defaultdict(lambda: {"tried": 0, "survived": 0})
+    for group, survived in _scenarios.values():
+        results[group]["tried"] += 1
+        results[group]["survived"] += int(survived)
+    return dict(sorted(results.items()))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get("ORT_AUTOPATCH_RELIABILITY_RESULTS")
-    if target and _results:
+    results = _results()
+    if target and results:
         Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(json.dumps(dict(sorted(_results.items())), indent=2) + "\n")
+        Path(target).write_text(json.dumps(results, indent=2) + "\n")

@@ -87,10 +87,15 @@ def _pair() -> tuple[Net, Net, torch.Tensor]:
     return model, copy.deepcopy(model), torch.randn(6, 8)
 
 
-def _no_half_built_entry(model: nn.Module) -> None:
-    engine = patcher._instances[model].engine
-    for value in engine._cache._entries.values():
-        assert not hasattr(value, "program") or value.program is not None
+def _graphs(model: nn.Module) -> dict[Any, int]:
+    """The engine's cached entries by key (identity of each value)."""
+    entries = patcher._instances[model].engine._cache._entries
+    return {key: id(value) for key, value in entries.items()}
+
+
+def _graphs_kept(model: nn.Module, before: dict[Any, int]) -> None:
+    """A failure while running a built graph neither drops, replaces nor poisons its entry."""
+    assert _graphs(model) == before
 
 
 def _export_failing_midway(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
@@ -187,13 +192,15 @@ def test_ort_failing_inside_forward_falls_back_and_the_next_call_runs_in_ort(
 ) -> None:
     model, twin, x = _pair()
     _step(model, x), _eager_step(twin, x)  # built and working
+    graphs = _graphs(model)
+    assert len(graphs) == 1
     agent_faults.fail_forward = RuntimeError("injected: ORT forward failed")
     _fallback_leaves_eager_state(model, twin, x)
     agent_faults.fail_forward = None
     calls = _stats()["ort_calls"]
     _fallback_leaves_eager_state(model, twin, x)
     assert _stats()["ort_calls"] == calls + 1
-    _no_half_built_entry(model)
+    _graphs_kept(model, graphs)
 
 
 def test_ort_failing_inside_backward_raises_typed_and_writes_no_gradient(
@@ -246,6 +253,7 @@ def test_keyboard_interrupt_during_a_step_propagates_and_the_next_call_works(
 ) -> None:
     model, twin, x = _pair()
     _step(model, x), _eager_step(twin, x)
+    graphs = _graphs(model)
     before = _state(model)
     agent_faults.fail_forward = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
@@ -253,7 +261,7 @@ def test_keyboard_interrupt_during_a_step_propagates_and_the_next_call_works(
     _assert_same_state(_state(model), before)
     agent_faults.fail_forward = None
     _fallback_leaves_eager_state(model, twin, x)
-    _no_half_built_entry(model)
+    _graphs_kept(model, graphs)
 
 
 def test_a_cache_folder_turning_unwritable_mid_run_only_warns(

@@ -22,8 +22,9 @@ import logging
 import os
 import sys
 import threading
+from typing import Any
 
-from ort_autopatch import install, unmatched_patterns
+from ort_autopatch import feedback, install, unmatched_patterns
 from ort_autopatch import report as _report
 from ort_autopatch.config import Config
 
@@ -72,7 +73,7 @@ def activate(config: Config, own_output: bool = False) -> bool:
     rank = current_rank()
     installed = install(config)
     _configure_logging(config.log_level, rank, own_output)
-    if installed and _claims_report(rank) and _wants_output(config):
+    if installed and _claims_report(rank):
         # Import now what writing needs: an import while the interpreter finalizes resets its
         # "KeyboardInterrupt went unhandled" flag, and ^C would then exit 1 instead of by SIGINT.
         _report.prepare()
@@ -131,9 +132,25 @@ def _at_exit(config: Config, pid: int, rank: int | None) -> None:
         _log.error("ort_autopatch could not write its report", exc_info=True)
 
 
+def tell_selection(data: dict[str, Any], selected: bool) -> None:
+    """One warning per pattern that matched no class (with close names), and one line when
+    nothing ran in ONNX Runtime: a typo must not pass as a plain, unaccelerated run."""
+    candidates: list[str] | None = None
+    for pattern in data["unmatched"]:
+        if candidates is None:
+            candidates = feedback.imported_classes()
+        _log.warning("%s", feedback.unmatched_message(pattern, candidates))
+    line = feedback.nothing_ran(data["classes"], selected)
+    if line is not None:
+        _log.warning("%s", line)
+
+
 def finish_report(config: Config, rank: int | None) -> None:
-    """Write the JSON report and/or the text summary this process owes (rank rules apply)."""
+    """Say what the selection did, and write the JSON report and/or the text summary this
+    process owes (rank rules apply)."""
     data = _report.build(unmatched_patterns())
+    if not rank:
+        tell_selection(data, selected=bool(config.modules))
     target = config.report
     if target and target != "-":
         path = _report.report_path(target, rank)

@@ -18,7 +18,7 @@ import builtins
 import os
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ort_autopatch import __version__
@@ -355,6 +355,46 @@ def export_environment(config: Config) -> None:
 # -- --check --------------------------------------------------------------------------------------
 
 
+def _check_selection(config: Config, row: Callable[..., str]) -> list[str]:
+    """What the allowlist selects. The modules it names literally are imported to look for the
+    classes (as the script would import them); `__main__` and wildcard modules can only be
+    checked by a run, which warns at exit about every pattern that matched nothing."""
+    if not config.modules:
+        return [
+            row("selection", "nothing selected: give --modules PATTERNS or ORT_AUTOPATCH_MODULES")
+        ]
+    import importlib
+
+    from ort_autopatch import feedback
+    from ort_autopatch.hook import Selector
+
+    selector = Selector(config.modules, config.exclude)
+    warnings: list[str] = []
+    at_run: list[str] = []
+    failed: list[str] = []
+    for pattern in config.modules:
+        module = pattern.partition(":")[0]
+        if module in ("__main__", "__mp_main__") or any(ch in module for ch in "*?["):
+            at_run.append(pattern)
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # the user's module failing to import is a finding
+            failed.append(pattern)
+            warnings.append(f"pattern {pattern!r}: cannot import {module!r}: {exc}")
+    candidates = feedback.imported_classes()
+    selected = [name for name in candidates if selector.matches(*name.split(":", 1)) and name]
+    lines = [row("selection", ", ".join(selected) or "no class found yet")]
+    for pattern in selector.unmatched():
+        if pattern not in at_run and pattern not in failed:
+            warnings.append(feedback.unmatched_message(pattern, candidates))
+    lines.extend(f"  WARNING {w}" for w in warnings)
+    lines.extend(
+        f"  (checked when the script runs: {p})" for p in at_run if p in selector.unmatched()
+    )
+    return lines
+
+
 def check(config: Config) -> tuple[str, bool]:
     """A short diagnosis: can this interpreter accelerate, and with which settings.
 
@@ -405,4 +445,5 @@ def check(config: Config) -> tuple[str, bool]:
     lines.append("  configuration (options > ORT_AUTOPATCH_* > pyproject.toml > defaults):")
     environment = config.to_env()
     lines.extend(f"    {opt.env}={environment[opt.env]}" for opt in OPTIONS)
+    lines.extend(_check_selection(config, row))
     return "\n".join(lines), ok

@@ -71,12 +71,33 @@ def _both(
 ) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
     env = {"PROBE_EXIT": exit_how}
     plain = run([PY, *args], cwd=cwd, env=env, timeout=30)
-    # A selection that matches nothing: the hook is installed, nothing is patched.
+    # A selection that matches nothing: the hook is installed, nothing is patched, and at exit
+    # the launcher says so (the only difference to python's output).
     ours = run([*LAUNCHER, "--modules", "nowhere.at_all:Nothing", *args], cwd=cwd, env=env)
+    stderr, feedback = _split_feedback(ours.stderr)
+    if exit_how != "kbd":
+        assert feedback == NOTHING_MATCHED, ours.stderr
     return (
         (plain.returncode, plain.stdout, plain.stderr),
-        (ours.returncode, ours.stdout, ours.stderr),
+        (ours.returncode, ours.stdout, stderr),
     )
+
+
+NOTHING_MATCHED = [
+    "[ort_autopatch] WARNING --modules pattern 'nowhere.at_all:Nothing' matched no class: "
+    "module 'nowhere.at_all' was never imported",
+    "[ort_autopatch] WARNING nothing ran in ONNX Runtime: no selected class was found (see the "
+    "patterns above)",
+]
+
+
+def _split_feedback(stderr: str) -> tuple[str, list[str]]:
+    """(stderr without the launcher's lines, the launcher's lines)."""
+    ours = [line for line in stderr.splitlines() if line.startswith("[ort_autopatch]")]
+    rest = "".join(
+        line for line in stderr.splitlines(keepends=True) if not line.startswith("[ort_autopatch]")
+    )
+    return rest, ours
 
 
 def _without_runpy_frames(stderr: str) -> str:
@@ -160,8 +181,10 @@ def test_user_excepthook_gets_the_trimmed_traceback(tmp_path: pathlib.Path) -> N
         )
     )
     plain = run([PY, "hooked.py"], cwd=tmp_path)
-    ours = run([*LAUNCHER, "hooked.py"], cwd=tmp_path)
-    assert plain.stderr == ours.stderr == "HOOK ['<module>', 'inner']\n"
+    ours = run([*LAUNCHER, "--modules", "nowhere.at_all:Nothing", "hooked.py"], cwd=tmp_path)
+    stderr, feedback = _split_feedback(ours.stderr)
+    assert plain.stderr == stderr == "HOOK ['<module>', 'inner']\n"
+    assert feedback == NOTHING_MATCHED
     assert plain.returncode == ours.returncode == 1
 
 
@@ -325,7 +348,11 @@ def test_report_file_content(tmp_path: pathlib.Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""  # WARNING level: no summary, no log lines
+    # WARNING level: no summary; the one pattern that matched nothing is the only line
+    assert result.stderr == (
+        "[ort_autopatch] WARNING --modules pattern 'nowhere:Nothing' matched no class: "
+        "module 'nowhere' was never imported\n"
+    )
     data = json.loads((tmp_path / "out" / "r.json").read_text())
     assert data["version"] == "0.1.0"
     assert data["torch"].startswith("2.") and data["onnxruntime"] == "1.19.2"
@@ -343,6 +370,78 @@ def test_report_file_content(tmp_path: pathlib.Path) -> None:
     ):
         assert key in net
     assert (net["instances"], net["ort_calls"], net["eager_calls"], net["exports"]) == (1, 3, 0, 1)
+
+
+def test_a_typo_in_the_selection_names_the_class_it_meant(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "model.py").write_text(
+        "import torch\nclass RNNModel(torch.nn.Module):\n    def forward(self, x):\n"
+        "        return x * 2\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "import torch\nimport model\nmodel.RNNModel()(torch.ones(2))\n"
+    )
+    result = run([*LAUNCHER, "--modules", "model:RNNModl", "train.py"], cwd=tmp_path)
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [
+        "[ort_autopatch] WARNING --modules pattern 'model:RNNModl' matched no class; did you mean "
+        "model:RNNModel?",
+        "[ort_autopatch] WARNING nothing ran in ONNX Runtime: no selected class was found (see the "
+        "patterns above)",
+    ]
+
+
+def test_the_right_class_under_the_wrong_module_is_suggested(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "train.py").write_text(
+        "import torch\nclass Net(torch.nn.Linear):\n    pass\nNet(2, 2)(torch.ones(2))\n"
+    )
+    result = run([*LAUNCHER, "--modules", "train:Net", "train.py"], cwd=tmp_path)
+    assert "'train:Net' matched no class; did you mean __main__:Net?" in result.stderr
+
+
+def test_a_run_where_every_call_fell_back_says_so_in_one_line(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "train.py").write_text(
+        "import torch\nclass Net(torch.nn.Module):\n    def forward(self, x):\n"
+        "        return x.numpy().sum()\n"  # not traceable: the export fails
+        "Net()(torch.ones(2))\n"
+    )
+    result = run([*LAUNCHER, "--modules", "__main__:Net", "train.py"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(
+        "[ort_autopatch] WARNING nothing ran in ONNX Runtime: every call ran in PyTorch (fallback: "
+    ), result.stderr
+
+
+def test_a_run_without_a_selection_says_nothing_ran(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "s.py").write_text("print('hi')\n")
+    result = run([*LAUNCHER, "s.py"], cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "hi\n")
+    assert result.stderr == (
+        "[ort_autopatch] WARNING nothing ran in ONNX Runtime: no class is selected (give "
+        "--modules or ORT_AUTOPATCH_MODULES)\n"
+    )
+
+
+def test_check_says_nothing_selected() -> None:
+    result = run([*LAUNCHER, "--check"])
+    assert "selection     nothing selected: give --modules PATTERNS or ORT_AUTOPATCH_MODULES" in (
+        result.stdout
+    )
+
+
+def test_check_warns_about_a_typo_with_a_suggestion(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "model.py").write_text("import torch\nclass RNNModel(torch.nn.Module):\n    pass\n")
+    result = run(
+        [*LAUNCHER, "--check", "--modules", "model:RNNModl,model:RNNModel,__main__:Net"],
+        cwd=tmp_path,
+    )
+    lines = result.stdout.splitlines()
+    assert "  selection     model:RNNModel" in lines
+    assert (
+        "  WARNING --modules pattern 'model:RNNModl' matched no class; did you mean "
+        "model:RNNModel?" in lines
+    )
+    assert "  (checked when the script runs: __main__:Net)" in lines
 
 
 def test_summary_on_stderr_at_info(tmp_path: pathlib.Path) -> None:

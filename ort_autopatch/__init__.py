@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ort_autopatch.config import Config, load_config
-from ort_autopatch.errors import ConfigError, OrtAutopatchError
+from ort_autopatch.errors import ConfigError, NotPatchableError, OrtAutopatchError
 
 if TYPE_CHECKING:
     from ort_autopatch.hook import ImportHook
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigError",
+    "NotPatchableError",
     "OrtAutopatchError",
     "install",
     "installed_config",

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
+from ort_autopatch.errors import ConfigError
+
 if TYPE_CHECKING:  # importlib.abc pulls in importlib.resources: ~20 ms at every startup
     from importlib.abc import Loader
     from importlib.machinery import ModuleSpec
@@ -141,7 +143,9 @@ def _hits(
 def _split(pattern: str) -> tuple[str, str]:
     module, colon, cls = pattern.strip().partition(":")
     if not colon or not module or not cls or ":" in cls:
-        raise ValueError(f"selector pattern {pattern!r} is not 'module.path:Class'")
+        raise ConfigError(
+            "selector pattern", pattern, "not 'module.path:Class'", "'module.path:Class'"
+        )
     return module, cls
 
 

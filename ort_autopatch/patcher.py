@@ -29,6 +29,7 @@ from ort_autopatch.engine import (
     ModuleEngine,
     is_exporting,
 )
+from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
 from ort_autopatch.hooks import forward_without_hooks, run_post_hooks, run_pre_hooks
 from ort_autopatch.policy import (
@@ -91,7 +92,7 @@ def is_patched(cls: type) -> bool:
 def patch(cls: type) -> bool:
     """Patch `cls` in place; False if it already was. Subclasses inherit the patch."""
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-        raise TypeError(f"{cls!r} is not a torch.nn.Module subclass; only modules can be patched")
+        raise NotPatchableError(cls)
     if is_recorder(cls):
         return False  # our own export-time subclass, caught by the class-creation hook
     with _lock:

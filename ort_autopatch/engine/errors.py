@@ -1,6 +1,7 @@
 """Typed engine failures.
 
-Each error names the module class, the cause and what the user can do, and carries a `kind`
+Each error names the module class, the cause and what the user can do (`OrtAutopatchError`'s
+`cause` and `remedy`: one root for every deliberate error of the tool), and carries a `kind`
 that the fallback policy maps to ORTModule's FALLBACK_* names, so the engine itself never needs
 to know about policies or configuration.
 """
@@ -8,6 +9,8 @@ to know about policies or configuration.
 from __future__ import annotations
 
 import enum
+
+from ort_autopatch.errors import OrtAutopatchError
 
 
 class FailureKind(enum.Enum):
@@ -21,8 +24,9 @@ class FailureKind(enum.Enum):
     RUNTIME = "runtime"
 
 
-class EngineError(RuntimeError):
-    """Base of every failure raised by the engine."""
+class EngineError(OrtAutopatchError, RuntimeError):
+    """Base of every failure raised by the engine; `module_class` is "" for failures that
+    concern no one class (ONNX Runtime missing, say)."""
 
     kind: FailureKind = FailureKind.RUNTIME
     reason: str = "engine error"
@@ -31,7 +35,12 @@ class EngineError(RuntimeError):
         self.module_class = module_class
         self.cause = cause
         self.remedy = remedy
-        super().__init__(f"{module_class}: {cause}. {remedy}")
+        prefix = f"{module_class}: " if module_class else ""
+        super().__init__(f"{prefix}{cause}. {remedy}")
+
+    def __reduce__(self) -> tuple[type[EngineError], tuple[str, str, str]]:
+        # Rebuilt from the fields (the default would pass the message as `module_class`).
+        return (type(self), (self.module_class, self.cause, self.remedy))
 
 
 class UnsupportedInputError(EngineError):

@@ -81,13 +81,13 @@ def _import() -> tuple[ModuleType, ModuleType]:
         from onnxruntime.capi import _pybind_state as capi
     except ImportError as exc:
         reason = unavailable_reason() or f"importing onnxruntime failed: {exc}"
-        raise RuntimeUnavailableError("ort_autopatch", reason, "Run the model eagerly") from exc
+        raise RuntimeUnavailableError("", reason, "Run the model eagerly") from exc
     finally:
         if hide and sys.modules.get("onnxruntime.training", 0) is None:
             del sys.modules["onnxruntime.training"]
     if not hasattr(capi, "OrtModuleGraphBuilder"):
         reason = unavailable_reason() or "the installed onnxruntime has no training support"
-        raise RuntimeUnavailableError("ort_autopatch", reason, "Install a training build")
+        raise RuntimeUnavailableError("", reason, "Install a training build")
     return onnxruntime, capi
 
 

@@ -64,7 +64,7 @@ def _providers(device: torch.device) -> list[Any]:
     if device.type == "cuda" and "CUDAExecutionProvider" in available:
         return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
     raise UnsupportedDeviceError(
-        "ort_autopatch",
+        "",
         f"tensors on {device} but this onnxruntime build offers only {', '.join(available)}",
         "Install onnxruntime-training (the CUDA build) for GPU tensors, or run on CPU",
     )

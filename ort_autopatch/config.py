@@ -36,6 +36,7 @@ from .policy import (
 )
 
 __all__ = [
+    "BY_NAME",
     "ENV_CONFIG_FILE",
     "ENV_VARS",
     "OPTIONS",
@@ -406,7 +407,8 @@ class Config:
 OPTIONS: tuple[Option, ...] = tuple(
     dataclasses.replace(f.metadata["option"], name=f.name) for f in dataclasses.fields(Config)
 )
-_BY_NAME: Mapping[str, Option] = {opt.name: opt for opt in OPTIONS}
+#: Field name -> its option.
+BY_NAME: Mapping[str, Option] = {opt.name: opt for opt in OPTIONS}
 #: Field name -> environment variable (the names are a contract).
 ENV_VARS: Mapping[str, str] = {opt.name: opt.env for opt in OPTIONS}
 _DEFAULTS = Config()
@@ -499,12 +501,12 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _from_cli(cli: Mapping[str, object]) -> dict[str, Any]:
-    unknown = sorted(set(cli) - set(_BY_NAME))
+    unknown = sorted(set(cli) - set(BY_NAME))
     if unknown:
         # A programming error in the launcher, not a user error: fail loudly and differently.
-        raise TypeError(f"load_config: unknown CLI keys {unknown}; accepted: {sorted(_BY_NAME)}")
+        raise TypeError(f"load_config: unknown CLI keys {unknown}; accepted: {sorted(BY_NAME)}")
     return {
-        name: _parse_python(_BY_NAME[name], raw, _BY_NAME[name].flag)
+        name: _parse_python(BY_NAME[name], raw, BY_NAME[name].flag)
         for name, raw in cli.items()
         if raw is not None
     }
@@ -576,10 +578,10 @@ def _tool_table(document: Mapping[str, Any]) -> dict[str, Any] | None:
 def _parse_table(table: Mapping[str, Any], where: str, base: pathlib.Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, raw in table.items():
-        opt = _BY_NAME.get(key.replace("-", "_"))
+        opt = BY_NAME.get(key.replace("-", "_"))
         variable = f"{where} {key}"
         if opt is None:
-            raise ConfigError(variable, raw, "unknown key", ", ".join(_BY_NAME))
+            raise ConfigError(variable, raw, "unknown key", ", ".join(BY_NAME))
         # Relative paths in a file mean "next to the file", as in other tools' configs.
         values[opt.name] = opt.kind.relative_to(_parse_python(opt, raw, variable), base)
     return values

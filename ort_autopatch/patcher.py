@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ort_autopatch import report
+from ort_autopatch.config import BY_NAME
 from ort_autopatch.engine import (
     EngineError,
     EngineOptions,
@@ -138,6 +139,8 @@ def unpatch(cls: type) -> bool:
             else:
                 setattr(cls, name, original)
         delattr(cls, PATCHED_MARKER)
+        name = class_name(cls)
+        _warned.difference_update([key for key in _warned if key[0] == name])  # warn anew
         return True
 
 
@@ -284,7 +287,14 @@ class _Instance:
         key = (self.name, reason)
         if key not in _warned:
             _warned.add(key)
-            log.warning("%s runs in PyTorch (%s): %s. %s", self.name, reason, cause, remedy)
+            log.warning(
+                "%s runs in PyTorch (%s): %s. %s%s",
+                self.name,
+                reason,
+                cause,
+                remedy,
+                _fallback_remedies(self.name),
+            )
 
     def _account_builds(self, engine: ModuleEngine) -> None:
         records = engine.records
@@ -365,6 +375,19 @@ class _Instance:
         for owner, name, path in reads:
             self._guard(owner, name, path)
         return output
+
+
+def _fallback_remedies(name: str) -> str:
+    """What the user can do about any fallback, with the option names of this tool."""
+    exclude, fallback, save = (BY_NAME[n] for n in ("exclude", "fallback", "save_onnx"))
+    return (
+        f"\n  to run {name} in PyTorch without this warning: {exclude.flag} '{name}' "
+        f"({exclude.env})"
+        f"\n  to stop at this error instead of running in PyTorch: {fallback.flag} "
+        f"FALLBACK_DISABLE ({fallback.env})"
+        f"\n  to report it: attach the graphs {save.flag} DIR ({save.env}) writes, and the "
+        "message above"
+    )
 
 
 def _falls_back(policy: Fallback, exc: Exception) -> bool:

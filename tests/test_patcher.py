@@ -280,6 +280,18 @@ def test_unsupported_input_falls_back_with_one_warning(caplog: pytest.LogCapture
     assert sum(stats.fallbacks.values()) == 3 and stats.ort_calls == 0
 
 
+def test_the_fallback_warning_names_the_remedies(caplog: pytest.LogCaptureFixture) -> None:
+    model = TakesAnything()
+    x, _ = _data()
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        model(x, object())
+    (message,) = [r.getMessage() for r in caplog.records if "runs in PyTorch" in r.getMessage()]
+    name = patcher.class_name(TakesAnything)
+    assert f"--exclude '{name}' (ORT_AUTOPATCH_EXCLUDE)" in message
+    assert "--fallback FALLBACK_DISABLE (ORT_AUTOPATCH_FALLBACK_POLICY)" in message
+    assert "--save-onnx DIR (ORT_AUTOPATCH_SAVE_ONNX)" in message
+
+
 def test_fallback_disable_raises_the_typed_error() -> None:
     patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
     with pytest.raises(UnsupportedInputError, match="extra"):

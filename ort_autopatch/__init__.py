@@ -100,11 +100,17 @@ def installed_config() -> Config | None:
     return _active_config
 
 
-def patch(cls: type) -> bool:
-    """Patch one torch.nn.Module subclass in place; False if it already was."""
+def patch(cls: type, config: Config | None = None) -> bool:
+    """Patch one torch.nn.Module subclass in place; False if it already was.
+
+    Its calls use `config`, else the configuration `install()` activated, else the one
+    `install()` would read now (ORT_AUTOPATCH_* > pyproject.toml > defaults): patching by hand
+    follows the same policies and engine options as patching from the allowlist.
+    """
     from ort_autopatch import patcher
 
-    return patcher.patch(cls)
+    config = config or installed_config() or load_config()
+    return patcher.patch(cls, patcher.Settings.from_config(config))
 
 
 def unpatch(cls: type) -> bool:
@@ -129,13 +135,5 @@ def mark_stale(module: Any) -> None:
 def _patch_found_class(config: Config, cls: type) -> None:
     # Imported here: the patcher imports torch, which install() itself must not.
     from ort_autopatch import patcher
-    from ort_autopatch.engine import EngineOptions
 
-    patcher.configure(
-        patcher.Settings(
-            skip_check=config.skip_check,
-            fallback=config.fallback,
-            engine=EngineOptions(**config.engine_values()),
-        )
-    )
-    patcher.patch(cls)
+    patcher.patch(cls, patcher.Settings.from_config(config))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ort_autopatch import report
-from ort_autopatch.config import BY_NAME
+from ort_autopatch.config import BY_NAME, Config
 from ort_autopatch.engine import (
     EngineError,
     EngineOptions,
@@ -58,25 +58,31 @@ _FALLBACK_FOR_KIND = {
 
 @dataclass(frozen=True)
 class Settings:
-    """What patched calls need from the configuration."""
+    """What patched calls need from the configuration; each patched class holds its own."""
 
     skip_check: SkipCheck = DEFAULT_SKIP_CHECK
     fallback: Fallback = DEFAULT_FALLBACK
     engine: EngineOptions = field(default_factory=EngineOptions)
 
+    @classmethod
+    def from_config(cls, config: Config) -> Settings:
+        return cls(config.skip_check, config.fallback, EngineOptions(**config.engine_values()))
 
-_settings = Settings()
-_originals: dict[type, tuple[Any, Any]] = {}  # cls -> (own __call__, own __setattr__) or None
+
+@dataclass(frozen=True)
+class _Patched:
+    """What patching changed on one class (to restore it) and the settings its calls use."""
+
+    own_call: Any  # the class's own __call__ and __setattr__, or _MISSING
+    own_setattr: Any
+    settings: Settings
+
+
+_patched: dict[type, _Patched] = {}
 _instances: weakref.WeakKeyDictionary[torch.nn.Module, _Instance] = weakref.WeakKeyDictionary()
 _warned: set[tuple[str, str]] = set()
 _lock = threading.RLock()
 _MISSING = object()
-
-
-def configure(settings: Settings) -> None:
-    """Settings for calls from now on (engines already built keep their options)."""
-    global _settings
-    _settings = settings
 
 
 def class_name(cls: type) -> str:
@@ -87,22 +93,25 @@ def class_name(cls: type) -> str:
 
 
 def is_patched(cls: type) -> bool:
-    return cls in _originals
+    return cls in _patched
 
 
-def patch(cls: type) -> bool:
-    """Patch `cls` in place; False if it already was. Subclasses inherit the patch."""
+def patch(cls: type, settings: Settings | None = None) -> bool:
+    """Patch `cls` in place, its calls using `settings` (defaults when None; the public
+    `ort_autopatch.patch` passes the configuration `install()` would use); False if it already
+    was. Subclasses inherit the patch and its settings."""
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise NotPatchableError(cls)
     if is_recorder(cls):
         return False  # our own export-time subclass, caught by the class-creation hook
     with _lock:
-        if cls in _originals:
+        if cls in _patched:
             log.debug("%s is already patched", class_name(cls))
             return False
-        _originals[cls] = (
+        _patched[cls] = _Patched(
             cls.__dict__.get("__call__", _MISSING),
             cls.__dict__.get("__setattr__", _MISSING),
+            settings or Settings(),
         )
         eager_call = _eager_call_of(cls)
         eager_setattr = cls.__setattr__
@@ -130,9 +139,10 @@ def patch(cls: type) -> bool:
 def unpatch(cls: type) -> bool:
     """Restore `cls` exactly; False if it was not patched."""
     with _lock:
-        originals = _originals.pop(cls, None)
-        if originals is None:
+        patched = _patched.pop(cls, None)
+        if patched is None:
             return False
+        originals = (patched.own_call, patched.own_setattr)
         for name, original in zip(("__call__", "__setattr__"), originals, strict=True):
             if original is _MISSING:
                 delattr(cls, name)
@@ -145,8 +155,17 @@ def unpatch(cls: type) -> bool:
 
 
 def unpatch_all() -> None:
-    for cls in list(_originals):
+    for cls in list(_patched):
         unpatch(cls)
+
+
+def _settings_of(cls: type) -> Settings:
+    """The settings of the nearest patched class in `cls`'s MRO."""
+    for klass in cls.__mro__:
+        patched = _patched.get(klass)
+        if patched is not None:
+            return patched.settings
+    return Settings()  # unpatched while a call was on its way
 
 
 def _eager_call_of(cls: type) -> Callable[..., Any]:
@@ -211,6 +230,7 @@ class _Instance:
 
     def __init__(self, cls: type) -> None:
         self.name = class_name(cls)
+        self.settings = _settings_of(cls)
         self.stats = report.stats_for(self.name)
         self.engine: ModuleEngine | None = None
         # (owner's __dict__, attribute name, owner label, dotted path from the root) for every
@@ -230,7 +250,7 @@ class _Instance:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        settings = _settings
+        settings = self.settings
         if self.engine is None:
             self.engine = ModuleEngine(
                 module, settings.engine, forward=self._recording_forward, guards=self, weak=True

@@ -199,3 +199,12 @@ def assert_state_equal(
 
 def snapshot_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def repatch(cls: type, settings: Any) -> None:
+    """Patch `cls` anew with `settings` (a `patcher.Settings`); instances made from now on use
+    them."""
+    from ort_autopatch import patcher
+
+    patcher.unpatch(cls)
+    patcher.patch(cls, settings)

@@ -16,9 +16,11 @@ import pytest
 import torch
 from torch import nn
 
+import ort_autopatch
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineError, UnsupportedInputError
 from ort_autopatch.policy import Fallback, SkipCheck
+from tests.helpers import repatch
 
 
 class UserDefinedMethodsNet(nn.Module):
@@ -130,12 +132,10 @@ PATCHED = (
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
     report.reset()
-    patcher.configure(patcher.Settings())
     for cls in PATCHED:
         patcher.patch(cls)
     yield
     patcher.unpatch_all()
-    patcher.configure(patcher.Settings())
 
 
 def _stats(cls: type) -> report.ClassStats:
@@ -292,8 +292,49 @@ def test_the_fallback_warning_names_the_remedies(caplog: pytest.LogCaptureFixtur
     assert "--save-onnx DIR (ORT_AUTOPATCH_SAVE_ONNX)" in message
 
 
+def test_patch_by_hand_follows_the_configuration_install_would_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ORT_AUTOPATCH_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    monkeypatch.setenv("ORT_AUTOPATCH_CACHE_SIZE", "3")
+
+    class ByHand(TakesAnything):
+        pass
+
+    assert ort_autopatch.patch(ByHand)
+    model = ByHand()
+    with pytest.raises(UnsupportedInputError):
+        model(_data()[0], extra=object())
+    assert patcher._instances[model].engine.options.cache_size == 3
+
+
+def test_each_class_keeps_the_settings_it_was_patched_with() -> None:
+    repatch(TakesAnything, patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+
+    class Child(TakesAnything):  # inherits the patch and its settings
+        pass
+
+    class Sibling(nn.Module):  # patched with the defaults: falls back
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, extra: object = None) -> torch.Tensor:
+            return self.fc(x)
+
+    patcher.patch(Sibling)
+    x, _ = _data()
+    for cls in (TakesAnything, Child):
+        with pytest.raises(UnsupportedInputError):
+            cls()(x, extra=object())
+    sibling = Sibling()
+    torch.testing.assert_close(sibling(x, extra=object()), _eager(sibling, x))
+    assert _stats(Sibling).eager_calls["fallback: unsupported input"] == 1
+
+
 def test_fallback_disable_raises_the_typed_error() -> None:
-    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+    repatch(TakesAnything, patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
     with pytest.raises(UnsupportedInputError, match="extra"):
         TakesAnything()(_data()[0], extra=object())
 
@@ -327,7 +368,7 @@ def test_hooks_on_submodules_run_eagerly_instead_of_being_skipped() -> None:
 
 
 def test_skip_check_build_gradient_trades_stale_detection_for_speed() -> None:
-    patcher.configure(patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_BUILD_GRADIENT))
+    repatch(UserDefinedMethodsNet, patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_BUILD_GRADIENT))
     model = UserDefinedMethodsNet()
     x, _ = _data()
     before = model(x)
@@ -469,7 +510,7 @@ def test_each_fallback_flag_covers_its_kind_of_failure(
         dtype = torch.float64 if cls is Float64Relu else torch.float32
         return model(_data()[0].to(dtype))  # type: ignore[no-any-return]
 
-    patcher.configure(patcher.Settings(fallback=flag))
+    repatch(cls, patcher.Settings(fallback=flag))
     call(cls())
     assert _stats(cls).eager_calls[f"fallback: {error}"] == 1
     others = (
@@ -477,7 +518,7 @@ def test_each_fallback_flag_covers_its_kind_of_failure(
         if flag != Fallback.FALLBACK_BAD_INITIALIZATION
         else Fallback.FALLBACK_UNSUPPORTED_DATA
     )
-    patcher.configure(patcher.Settings(fallback=others))
+    repatch(cls, patcher.Settings(fallback=others))
     with pytest.raises(EngineError) as raised:
         call(cls())
     assert raised.value.reason == error and raised.value.remedy
@@ -492,12 +533,12 @@ def test_force_torch_forward_falls_back_on_unexpected_errors(
         raise RuntimeError("something nobody planned for")
 
     monkeypatch.setattr(ModuleEngine, "run", broken)
-    model = UserDefinedMethodsNet()
     x, _ = _data()
-    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_UNSUPPORTED_DATA))
+    repatch(UserDefinedMethodsNet, patcher.Settings(fallback=Fallback.FALLBACK_UNSUPPORTED_DATA))
     with pytest.raises(RuntimeError, match="nobody planned"):
-        model(x)
-    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_FORCE_TORCH_FORWARD))
+        UserDefinedMethodsNet()(x)
+    repatch(UserDefinedMethodsNet, patcher.Settings(fallback=Fallback.FALLBACK_FORCE_TORCH_FORWARD))
+    model = UserDefinedMethodsNet()  # an instance keeps the settings of its first call
     torch.testing.assert_close(model(x), _eager(model, x))
     assert _stats(UserDefinedMethodsNet).eager_calls["fallback: unexpected error"] == 1
 
@@ -513,13 +554,15 @@ def test_skip_check_device_skips_only_the_device_check(monkeypatch: pytest.Monke
         return run(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ModuleEngine, "run", spy)
-    patcher.configure(patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_DEVICE))
+    repatch(UserDefinedMethodsNet, patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_DEVICE))
     UserDefinedMethodsNet()(_data()[0])
     assert seen == [(False, False)]
 
 
 def test_skip_check_execution_agent_alone_keeps_every_check() -> None:
-    patcher.configure(patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_EXECUTION_AGENT))
+    repatch(
+        UserDefinedMethodsNet, patcher.Settings(skip_check=SkipCheck.SKIP_CHECK_EXECUTION_AGENT)
+    )
     model = UserDefinedMethodsNet()
     x, _ = _data()
     model(x)

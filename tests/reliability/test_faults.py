@@ -19,6 +19,7 @@ from torch import nn
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineError, EngineOptions, ExecutionError, module_engine, runtime
 from ort_autopatch.policy import Fallback
+from tests.helpers import repatch
 
 
 class Net(nn.Module):
@@ -41,7 +42,6 @@ def _patched() -> Iterator[None]:
     patcher.patch(Net)
     yield
     patcher.unpatch_all()
-    patcher.configure(patcher.Settings())
 
 
 def _state(model: nn.Module) -> dict[str, Any]:
@@ -223,7 +223,7 @@ def test_ort_failing_inside_backward_raises_typed_and_writes_no_gradient(
 def test_fallback_disable_raises_the_typed_error_and_leaves_state_untouched(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+    repatch(Net, patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
     model, _, x = _pair()
     before = _state(model)
     _export_failing_midway(monkeypatch, RuntimeError("injected: exporter failed"))
@@ -268,7 +268,7 @@ def test_a_cache_folder_turning_unwritable_mid_run_only_warns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = tmp_path / "cache"
-    patcher.configure(patcher.Settings(engine=EngineOptions(cache_dir=cache)))
+    repatch(Net, patcher.Settings(engine=EngineOptions(cache_dir=cache)))
     model, twin, x = _pair()
     _fallback_leaves_eager_state(model, twin, x)
     # Unwritable for root too: the folder is gone and a file holds its name.

@@ -13,6 +13,7 @@ from torch import nn
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import MixedDevicesError, UnsupportedInputError
 from ort_autopatch.policy import Fallback
+from tests.helpers import repatch
 
 
 class Dense(nn.Module):
@@ -75,7 +76,6 @@ def _patched() -> Iterator[None]:
         patcher.patch(cls)
     yield
     patcher.unpatch_all()
-    patcher.configure(patcher.Settings())
 
 
 def _compare(model: nn.Module, *args: Any) -> None:
@@ -171,12 +171,12 @@ def test_very_deep_nesting_of_inputs() -> None:
 
 
 def test_tensors_on_two_devices_are_a_clear_error() -> None:
-    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+    repatch(AnyArgs, patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
     with pytest.raises(MixedDevicesError, match="inputs on cpu and meta"):
         AnyArgs()(torch.randn(2, 4), torch.randn(2, 4, device="meta"))
 
 
 def test_an_unsupported_argument_is_named() -> None:
-    patcher.configure(patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
+    repatch(Nested, patcher.Settings(fallback=Fallback.FALLBACK_DISABLE))
     with pytest.raises(UnsupportedInputError, match=r"argument #0\['x'\] is a set"):
         Nested()({"x": {1, 2}})

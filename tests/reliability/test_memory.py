@@ -16,6 +16,7 @@ import torch
 
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineOptions, session
+from tests.helpers import repatch
 from tests.reliability.models import Encoder, Mlp, TinyLM, rss_mb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,6 @@ def _patched() -> object:
         patcher.patch(cls)
     yield
     patcher.unpatch_all()
-    patcher.configure(patcher.Settings())
 
 
 def _engine(model: torch.nn.Module) -> object:
@@ -56,7 +56,7 @@ def test_deleting_a_model_and_its_optimizer_frees_its_sessions() -> None:
 
 
 def test_sessions_alive_equal_cached_graphs_under_a_small_bound() -> None:
-    patcher.configure(patcher.Settings(engine=EngineOptions(cache_size=2)))
+    repatch(Mlp, patcher.Settings(engine=EngineOptions(cache_size=2)))
     gc.collect()  # models of earlier tests
     before = session.live_sessions()
     model = Mlp()
@@ -93,8 +93,8 @@ sys.path.insert(0, {root!r})
 from tests.reliability.models import Encoder, TinyLM, rss_mb
 
 steps = int(sys.argv[1])
-patcher.configure(patcher.Settings(engine=EngineOptions(cache_size=8)))
-patcher.patch(Encoder); patcher.patch(TinyLM)
+settings = patcher.Settings(engine=EngineOptions(cache_size=8))
+patcher.patch(Encoder, settings); patcher.patch(TinyLM, settings)
 random.seed(0); torch.manual_seed(0)
 models = [Encoder(), TinyLM()]
 opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]

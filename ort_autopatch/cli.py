@@ -1,12 +1,12 @@
-"""``python -m ort_autopatch [options] script.py [args]``: run a script exactly as ``python`` would.
+"""`python -m ort_autopatch [options] script.py [args]`: run a script exactly as `python` would.
 
 The script must not notice the launcher, because users copy their normal command line after it:
-it gets a fresh, real ``__main__`` module in ``sys.modules`` (pickling classes defined in the script
-and multiprocessing's spawn need one), the ``sys.argv``/``sys.path[0]``/``__file__``/``__spec__``
+it gets a fresh, real `__main__` module in `sys.modules` (pickling classes defined in the script
+and multiprocessing's spawn need one), the `sys.argv`/`sys.path[0]`/`__file__`/`__spec__`
 python would give it, its exit status and SystemExit codes, and tracebacks that start in its own
-code. The order matters and is why this is not ``runpy``: the ``__main__`` module exists before
-anything imports multiprocessing (torch does; multiprocessing aliases ``__mp_main__`` to whatever
-``__main__`` is then), the ``-m`` spec is resolved before the import hook is installed (the hook
+code. The order matters and is why this is not `runpy`: the `__main__` module exists before
+anything imports multiprocessing (torch does; multiprocessing aliases `__mp_main__` to whatever
+`__main__` is then), the `-m` spec is resolved before the import hook is installed (the hook
 wraps loaders of selected modules), and the environment for child processes (PYTHONPATH with the
 bootstrap folder, the configuration as ORT_AUTOPATCH_* variables) is set before the script starts.
 """
@@ -27,7 +27,7 @@ from ort_autopatch.errors import ConfigError
 
 __all__ = ["BOOTSTRAP_DIR", "build_parser", "check", "export_environment", "main"]
 
-#: Folder holding the child-process ``sitecustomize.py``; put first on PYTHONPATH for children.
+#: Folder holding the child-process `sitecustomize.py`; put first on PYTHONPATH for children.
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 
@@ -49,7 +49,8 @@ def build_parser(prog: str = "python -m ort_autopatch") -> argparse.ArgumentPars
     parser = argparse.ArgumentParser(
         prog=prog,
         usage=f"{prog} [options] script.py [args ...]\n"
-        f"       {prog} [options] -m module [args ...]",
+        f"       {prog} [options] -m module [args ...]\n"
+        f"       {prog} [options] -c code [args ...]",
         description="Run a PyTorch script unchanged; the selected torch.nn.Module classes train "
         "through ONNX Runtime.",
         epilog=_EPILOG,
@@ -80,11 +81,12 @@ class _UsageError(Exception):
 def split_argv(
     argv: Sequence[str], parser: argparse.ArgumentParser | None = None
 ) -> tuple[list[str], tuple[str, str] | None, list[str]]:
-    """Cut the command line into (our options, ("script"|"module", target), the script's args).
+    """Cut the command line into (our options, ("script"|"module"|"code", target), the script's
+    args).
 
-    argparse cannot do this itself: the script's own options (``--epochs 3``) must never be read
-    as ours, so the cut happens at the first positional argument or at ``-m``. Which options
-    take no value comes from the parser itself.
+    argparse cannot do this itself: the script's own options (`--epochs 3`) must never be read
+    as ours, so the cut happens at the first positional argument, at `-m` or at `-c`, as python
+    cuts its own command line. Which options take no value comes from the parser itself.
     """
     flags = {
         option
@@ -100,12 +102,13 @@ def split_argv(
             if i + 1 >= len(argv):
                 raise _UsageError("'--' must be followed by a script")
             return options, ("script", argv[i + 1]), list(argv[i + 2 :])
-        if token == "-m" or (token.startswith("-m") and not token.startswith("--")):
-            module = token[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
-            if not module:
-                raise _UsageError("argument -m: expected a module name")
-            rest = argv[i + 1 :] if token != "-m" else argv[i + 2 :]
-            return options, ("module", module), list(rest)
+        for short, kind, what in (("-m", "module", "a module name"), ("-c", "code", "code")):
+            if token == short or (token.startswith(short) and not token.startswith("--")):
+                target = token[2:] or (argv[i + 1] if i + 1 < len(argv) else None)
+                if target is None or (kind == "module" and not target):
+                    raise _UsageError(f"argument {short}: expected {what}")
+                rest = argv[i + 1 :] if token != short else argv[i + 2 :]
+                return options, (kind, target), list(rest)
         if token.startswith("-") and token != "-":
             options.append(token)
             if "=" not in token and token not in flags and i + 1 < len(argv):
@@ -123,7 +126,7 @@ def _prog() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m ort_autopatch`` and the ``ort-autopatch`` console script.
+    """Entry point of `python -m ort_autopatch` and the `ort-autopatch` console script.
 
     Returns the exit status for the launcher's own outcomes; the script's SystemExit and uncaught
     exceptions propagate so that the interpreter ends the process exactly as it would without us.
@@ -187,10 +190,12 @@ def version_text() -> str:
 
 
 def run(kind: str, target: str, args: Sequence[str], config: Config) -> int:
-    """Set up ``__main__`` like python, activate, and execute the script or module."""
+    """Set up `__main__` like python, activate, and execute the script or module."""
     main_module = _fresh_main_module()
     if kind == "script":
         prepared = _prepare_script(main_module, target, args)
+    elif kind == "code":
+        prepared = _prepare_code(main_module, target, args)
     else:
         prepared = _prepare_module(main_module, target, args)
     if isinstance(prepared, int):
@@ -204,7 +209,7 @@ def run(kind: str, target: str, args: Sequence[str], config: Config) -> int:
 
 
 def _fresh_main_module() -> types.ModuleType:
-    """A real ``__main__`` registered in sys.modules, as the interpreter makes one."""
+    """A real `__main__` registered in sys.modules, as the interpreter makes one."""
     module = types.ModuleType("__main__")
     module.__dict__.update(
         __builtins__=builtins, __annotations__={}, __file__=None, __cached__=None
@@ -247,22 +252,47 @@ def _prepare_script(
 
     loader: Any
     if path.endswith(".pyc"):
-        import marshal
-
+        # The loader checks the magic number and flags, as python does for a .pyc script.
         loader = SourcelessFileLoader("__main__", filename)
-        code: Any = marshal.loads(source[16:])
+        try:
+            code: Any = loader.get_code("__main__")
+        except ImportError as exc:
+            print(f"{sys.executable}: can't run {filename!r}: {exc}", file=sys.stderr)
+            return 1
     else:
         loader = SourceFileLoader("__main__", filename)
-        try:
-            code = compile(source, filename, "exec", dont_inherit=True)
-        except (SyntaxError, ValueError) as exc:
-            exc.__traceback__ = None  # python shows no frames for a script that does not compile
-            sys.excepthook(type(exc), exc, None)
+        code = _compile(source, filename)
+        if code is None:
             return 1
     module.__dict__.update(
         __file__=filename, __loader__=loader, __spec__=None, __package__=None, __cached__=None
     )
     return code
+
+
+def _compile(source: str | bytes, filename: str) -> types.CodeType | None:
+    try:
+        return compile(source, filename, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        exc.__traceback__ = None  # python shows no frames for code that does not compile
+        sys.excepthook(type(exc), exc, None)
+        return None
+
+
+def _prepare_code(module: types.ModuleType, code: str, args: Sequence[str]) -> types.CodeType | int:
+    """`-c CODE`: as python runs it (`sys.argv[0] == '-c'`, the current folder first on
+    `sys.path`, a `__main__` without `__file__`)."""
+    from importlib.machinery import BuiltinImporter
+
+    sys.argv = ["-c", *args]
+    _set_path0("")
+    compiled = _compile(code, "<string>")
+    if compiled is None:
+        return 1
+    for name in ("__file__", "__cached__"):
+        module.__dict__.pop(name, None)
+    module.__dict__.update(__loader__=BuiltinImporter, __spec__=None, __package__=None)
+    return compiled
 
 
 def _is_zipfile(path: str) -> bool:
@@ -273,34 +303,26 @@ def _is_zipfile(path: str) -> bool:
     return zipfile.is_zipfile(path)
 
 
-class _ModuleNotRunnable(ImportError):
-    pass
+class _NotRunnable(Exception):
+    """Why `-m name` cannot run; printed as python prints it."""
 
 
 def _prepare_module(
     module: types.ModuleType, name: str, args: Sequence[str], argv0: str | None = None
 ) -> types.CodeType | int:
-    import runpy
-
     if argv0 is None:
         sys.argv = ["-m", *args]  # what python shows while it imports the parent packages
         _set_path0(os.getcwd())
     # Resolved now, before install(): the import hook must not wrap this module's loader.
-    # runpy's helper is what python -m itself uses (packages, pkg.__main__, the messages).
-    get_details = runpy._get_module_details  # type: ignore[attr-defined]
+    saved = sys.modules.pop("__main__") if name == "__main__" else None
     try:
-        if name == "__main__":
-            # runpy refuses to look up a module already in sys.modules under that name.
-            saved = sys.modules.pop("__main__")
-            try:
-                _, spec, code = get_details(name, _ModuleNotRunnable)
-            finally:
-                sys.modules["__main__"] = saved
-        else:
-            _, spec, code = get_details(name, _ModuleNotRunnable)
-    except _ModuleNotRunnable as exc:
+        spec, code = _find_module(name)
+    except _NotRunnable as exc:
         print(f"{sys.executable}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
     module.__dict__.update(
         __file__=spec.origin if spec.has_location else None,
         __cached__=spec.cached,
@@ -311,6 +333,58 @@ def _prepare_module(
     if argv0 is None:
         sys.argv[0] = spec.origin if spec.origin is not None else name
     return code
+
+
+def _find_module(name: str) -> tuple[Any, types.CodeType]:
+    """The spec and code `python -m name` runs, through public importlib: parent packages are
+    imported first, a package runs its `__main__`, and failures read as python's own."""
+    import importlib.util
+
+    if name.startswith("."):
+        raise _NotRunnable("Relative module names not supported")
+    parent = name.rpartition(".")[0]
+    if parent:
+        try:
+            importlib.import_module(parent)
+        except ImportError as exc:
+            # A missing parent is reported below as the module not being found; an ImportError
+            # raised by the parent's own code propagates, as under python.
+            if exc.name is None or (exc.name != parent and not parent.startswith(exc.name + ".")):
+                raise
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        message = (
+            f"Error while finding module specification for {name!r} ({type(exc).__name__}: {exc})"
+        )
+        if name.endswith(".py"):
+            message += f". Try using '{name[:-3]}' instead of '{name}' as the module name."
+        raise _NotRunnable(message) from exc
+    if spec is None:
+        raise _NotRunnable(f"No module named {name}")
+    if spec.submodule_search_locations is not None:
+        if name == "__main__" or name.endswith(".__main__"):
+            raise _NotRunnable("Cannot use package as __main__ module")
+        try:
+            return _find_module(f"{name}.__main__")
+        except _NotRunnable as exc:
+            if name not in sys.modules:
+                raise
+            raise _NotRunnable(
+                f"{exc}; {name!r} is a package and cannot be directly executed"
+            ) from exc
+    if spec.loader is None:
+        raise _NotRunnable(f"{name!r} is a namespace package and cannot be executed")
+    get_code = getattr(spec.loader, "get_code", None)
+    if get_code is None:
+        raise _NotRunnable(f"No code object available for {name}")
+    try:
+        code = get_code(name)
+    except ImportError as exc:
+        raise _NotRunnable(str(exc)) from exc
+    if code is None:
+        raise _NotRunnable(f"No code object available for {name}")
+    return spec, code
 
 
 def _execute(code: types.CodeType, module: types.ModuleType) -> None:

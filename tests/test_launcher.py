@@ -312,7 +312,51 @@ def test_split_argv() -> None:
         ["a"],
     )
     assert split(["--", "-weird.py"]) == ([], ("script", "-weird.py"), [])
+    assert split(["--disable", "-c", "print(1)", "-c", "x"]) == (
+        ["--disable"],
+        ("code", "print(1)"),
+        ["-c", "x"],
+    )
+    assert split(["-cpass"]) == ([], ("code", "pass"), [])
     assert split(["--check"]) == (["--check"], None, [])
+
+
+CODE_PROBE = (
+    "import sys; print(sys.argv, repr(sys.path[0]), sorted(globals()), __name__, "
+    "__spec__, __package__, type(__loader__).__name__)"
+)
+
+
+def test_dash_c_runs_code_like_python(tmp_path: pathlib.Path) -> None:
+    plain = run([PY, "-c", CODE_PROBE, "a", "-b"], cwd=tmp_path)
+    ours = run([*LAUNCHER, "--modules", "x:Y", "-c", CODE_PROBE, "a", "-b"], cwd=tmp_path)
+    assert plain.returncode == ours.returncode == 0, ours.stderr
+    assert ours.stdout == plain.stdout
+    assert "['-c', 'a', '-b'] ''" in ours.stdout
+
+
+def test_dash_c_code_trains_its_own_classes_through_ort(tmp_path: pathlib.Path) -> None:
+    result = run(
+        [*LAUNCHER, "--modules", "__main__:Net", "--report", "r.json", "-c", TRAIN], cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    net = json.loads((tmp_path / "r.json").read_text())["classes"]["__main__:Net"]
+    assert (net["ort_calls"], net["eager_calls"]) == (3, 0)
+
+
+def test_a_compiled_script_runs_and_a_bad_one_is_refused(tmp_path: pathlib.Path) -> None:
+    import py_compile
+
+    (tmp_path / "s.py").write_text("import sys\nprint('compiled', sys.argv)\n")
+    py_compile.compile(str(tmp_path / "s.py"), cfile=str(tmp_path / "s.pyc"))
+    ours = run([*LAUNCHER, "s.pyc", "x"], cwd=tmp_path)
+    assert (
+        ours.stdout == run([PY, "s.pyc", "x"], cwd=tmp_path).stdout == "compiled ['s.pyc', 'x']\n"
+    )
+    (tmp_path / "bad.pyc").write_bytes(b"not a pyc file at all")
+    bad = run([*LAUNCHER, "bad.pyc"], cwd=tmp_path)
+    assert bad.returncode == 1 == run([PY, "bad.pyc"], cwd=tmp_path).returncode
+    assert "bad magic number" in bad.stderr
 
 
 # -- the exit report --------------------------------------------------------------------------

@@ -1,9 +1,18 @@
 """Everything that touches ONNX Runtime lives here, and imports it lazily.
 
-Public surface: `ModuleEngine` runs one module's calls through cached ORT graphs; `is_exporting`
-tells patched classes to step aside while the engine traces them. Names are resolved on first
-use, so `ort_autopatch.engine.runtime` (which only reads package metadata) can be imported
-without importing torch.
+Public surface: `ModuleEngine` runs one module's calls through cached ORT graphs, configured by
+`EngineOptions`; `is_exporting` tells patched classes to step aside while the engine traces them;
+the typed errors (`EngineError` and its subclasses) say why a call could not run in ORT.
+
+The errors import nothing heavy and are imported here. The other names need torch, and are
+imported on first use (PEP 562), so that `ort_autopatch.engine.runtime` (package metadata only)
+and the errors stay importable without torch; the `TYPE_CHECKING` imports name them for type
+checkers and editors, and `_LAZY` says where each lives.
+
+Words used across the engine: a *recipe* is a built graph as plain data (what the persistent
+graph cache stores); an *entry* is a recipe made runnable (sessions, feeds); the in-memory
+`GraphCache` holds entries per module instance, the on-disk `GraphStore` holds recipes across
+runs.
 """
 
 from __future__ import annotations
@@ -11,67 +20,38 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from ort_autopatch.engine.errors import (
-        EngineError,
-        ExecutionError,
-        ExportError,
-        FailureKind,
-        GradientBuildError,
-        MixedDevicesError,
-        RuntimeUnavailableError,
-        SessionError,
-        UnsupportedDeviceError,
-        UnsupportedInputError,
-        UnsupportedModelError,
-    )
-    from ort_autopatch.engine.export import is_exporting
-    from ort_autopatch.engine.module_engine import BuildRecord, EngineOptions, ModuleEngine
+from ort_autopatch.engine.errors import (  # noqa: F401  (re-exported)
+    EngineError,
+    ExecutionError,
+    ExportError,
+    FailureKind,
+    GradientBuildError,
+    MixedDevicesError,
+    RuntimeUnavailableError,
+    SessionError,
+    UnsupportedDeviceError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
 
-_WHERE = {
-    **dict.fromkeys(
-        (
-            "EngineError",
-            "ExecutionError",
-            "ExportError",
-            "FailureKind",
-            "GradientBuildError",
-            "MixedDevicesError",
-            "RuntimeUnavailableError",
-            "SessionError",
-            "UnsupportedDeviceError",
-            "UnsupportedInputError",
-            "UnsupportedModelError",
-        ),
-        "errors",
-    ),
+if TYPE_CHECKING:
+    from ort_autopatch.engine.export import is_exporting  # noqa: F401
+    from ort_autopatch.engine.module_engine import (  # noqa: F401
+        BuildRecord,
+        EngineOptions,
+        ModuleEngine,
+    )
+
+_LAZY = {
     "is_exporting": "export",
     "BuildRecord": "module_engine",
     "EngineOptions": "module_engine",
     "ModuleEngine": "module_engine",
 }
 
-__all__ = [
-    "BuildRecord",
-    "EngineError",
-    "EngineOptions",
-    "ExecutionError",
-    "ExportError",
-    "FailureKind",
-    "GradientBuildError",
-    "MixedDevicesError",
-    "ModuleEngine",
-    "RuntimeUnavailableError",
-    "SessionError",
-    "UnsupportedDeviceError",
-    "UnsupportedInputError",
-    "UnsupportedModelError",
-    "is_exporting",
-]
-
 
 def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
+    where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module 'ort_autopatch.engine' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"ort_autopatch.engine.{where}"), name)

@@ -55,9 +55,10 @@ def install(config: Config | None = None) -> bool:
             return False
         if not config.enabled:
             return False
+        from ort_autopatch import versions
         from ort_autopatch.engine.runtime import unavailable_reason
 
-        reason = unavailable_reason()
+        reason = versions.untested_torch_reason(versions.installed_torch()) or unavailable_reason()
         if reason is not None:
             # Said once, here, instead of one fallback warning per class later.
             _log.warning(

@@ -486,6 +486,11 @@ def check(config: Config) -> tuple[str, bool]:
 
         cuda = "CUDA available" if torch.cuda.is_available() else "no CUDA device"
         lines.append(row("torch", f"{torch.__version__} ({cuda})"))
+        from ort_autopatch import versions
+
+        untested = versions.untested_torch_reason(str(torch.__version__))
+        if untested is not None:
+            problems.append(untested)
     except Exception as exc:  # a broken torch is exactly what --check is for
         lines.append(row("torch", f"cannot import: {exc}"))
         problems.append(f"torch does not import: {exc}")

@@ -282,3 +282,14 @@ def test_bootstrap_ships_in_the_wheel(tmp_path: pathlib.Path) -> None:
     assert "ort_autopatch/bootstrap/sitecustomize.py" in names
     assert "ort_autopatch/__main__.py" in names
     assert not any(n.startswith(("sitecustomize", "tests/", "examples/")) for n in names)
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    requires = [
+        line.removeprefix("Requires-Dist: ")
+        for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist: ")
+    ]
+    # The declared torch range is the tested one (ort_autopatch/versions.py), and TOML is
+    # readable on Python 3.10.
+    (torch_requirement,) = [r for r in requires if r.startswith("torch")]
+    assert sorted(torch_requirement.removeprefix("torch").split(",")) == ["<2.14", ">=2.13"]
+    assert any(r.startswith("tomli") and 'python_version < "3.11"' in r for r in requires)

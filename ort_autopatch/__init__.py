@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ort_autopatch.config import Config, load_config
+from ort_autopatch.config import BY_NAME, Config, load_config
 from ort_autopatch.errors import ConfigError, NotPatchableError, OrtAutopatchError
 
 if TYPE_CHECKING:
@@ -58,7 +58,14 @@ def install(config: Config | None = None) -> bool:
         from ort_autopatch import versions
         from ort_autopatch.engine.runtime import unavailable_reason
 
-        reason = versions.untested_torch_reason(versions.installed_torch()) or unavailable_reason()
+        untested = versions.untested_torch_reason(versions.installed_torch())
+        if untested is not None and config.untested_torch:
+            _log.warning("ort_autopatch: %s; trying it, as asked", untested)
+            untested = None
+        elif untested is not None:
+            opt = BY_NAME["untested_torch"]
+            untested += f", or set {opt.env}=1 ({opt.flag}) to try this one"
+        reason = untested or unavailable_reason()
         if reason is not None:
             # Said once, here, instead of one fallback warning per class later.
             _log.warning(

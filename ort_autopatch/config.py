@@ -385,6 +385,16 @@ class Config:
         help="graphs kept in memory per module instance",
     )
 
+    untested_torch: bool = option(
+        False,
+        env="ORT_AUTOPATCH_UNTESTED_TORCH",
+        flag="--untested-torch",
+        flag_sets=True,
+        kind=Switch(),
+        help="accelerate even on a torch version this tool is not tested with (it runs the "
+        "script in PyTorch otherwise)",
+    )
+
     def to_env(self) -> dict[str, str]:
         """Environment variables that make `load_config` in a child rebuild this Config.
 

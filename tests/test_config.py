@@ -581,6 +581,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         opset=15,
         threads=2,
         cache_size=3,
+        untested_torch=True,
     )
     flags: list[str] = []
     for opt in OPTIONS:

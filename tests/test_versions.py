@@ -37,3 +37,15 @@ def test_install_on_an_untested_torch_patches_nothing_and_says_why(
         ort_autopatch.uninstall()
     assert not installed
     assert "runs in PyTorch: torch 2.14.0 is not a version" in caplog.text
+    assert "set ORT_AUTOPATCH_UNTESTED_TORCH=1 (--untested-torch) to try this one" in caplog.text
+
+
+def test_untested_torch_option_installs_anyway_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(versions, "installed_torch", lambda: "2.14.0")
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        installed = ort_autopatch.install(Config(modules=("m:Net",), untested_torch=True))
+    ort_autopatch.uninstall()
+    assert installed
+    assert "torch 2.14.0 is not a version" in caplog.text and "trying it, as asked" in caplog.text

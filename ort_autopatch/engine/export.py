@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import objects
+from ort_autopatch.engine import objects, trees
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
-from ort_autopatch.engine.trees import register_dataclasses
 
 _state = threading.local()
 
@@ -74,7 +73,7 @@ class CallSpec:
         leaves = list(self.leaves)
         for pos, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[pos] = tensor
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        args, kwargs = trees.unflatten(leaves, self.spec)
         return args, kwargs
 
 
@@ -100,7 +99,7 @@ class OutputSpec:
             rest = iter(tensors[count:])
             for pos in self.carriers:
                 leaves[pos] = leaves[pos].fill(rest)
-        return pytree.tree_unflatten(leaves, self.spec)
+        return trees.unflatten(leaves, self.spec)
 
 
 class _FlatModule(torch.nn.Module):
@@ -118,8 +117,7 @@ class _FlatModule(torch.nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._call_spec.rebuild(tensors)
         result = self._forward(*args, **kwargs)
-        register_dataclasses(result)
-        leaves, spec = pytree.tree_flatten(result)
+        leaves, spec = trees.flatten(result)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         outputs = [leaves[i] for i in positions]

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ort_autopatch.engine import trees
 from ort_autopatch.engine.errors import MixedDevicesError, UnsupportedInputError
 from ort_autopatch.engine.export import CallSpec
-from ort_autopatch.engine.trees import register_dataclasses
 
 _CONSTANT_TYPES = (
     type(None),
@@ -63,8 +63,7 @@ def flatten_call(
         if check_devices:
             _check_devices(cls, tensors)
         return FlatCall(tensors, sig, None, args, kwargs)
-    register_dataclasses((args, kwargs))
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = trees.flatten((args, kwargs))
     tensors = []
     parts: list[Hashable] = []
     for index, leaf in enumerate(leaves):
@@ -87,7 +86,7 @@ def flatten_call(
 
 
 def _call_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSpec:
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = trees.flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return CallSpec(spec, constants, positions)
@@ -107,7 +106,7 @@ def _check_devices(cls: str, tensors: list[torch.Tensor]) -> None:
 
 
 def _leaf_path(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str:
-    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    paths, _ = trees.flatten_with_path((args, kwargs))
     path = paths[index][0]
     if path and isinstance(path[0], pytree.SequenceKey):
         head, rest = ("args" if path[0].idx == 0 else "kwargs"), path[1:]

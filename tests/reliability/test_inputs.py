@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,7 +67,19 @@ class Nested(nn.Module):
         return self.fc(tree)
 
 
-PATCHED = (Dense, Conv, Mixed, AnyArgs, Nested)
+class Fields(nn.Module):
+    """Takes a dataclass and returns one (of the classes the call brings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, batch: Any) -> Any:
+        out = type(batch)(x=self.fc(batch.x), scale=batch.scale)
+        return dataclasses.replace(out, x=out.x * batch.scale)
+
+
+PATCHED = (Dense, Conv, Mixed, AnyArgs, Nested, Fields)
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +181,35 @@ def test_very_deep_nesting_of_inputs() -> None:
         tree = [tree] if depth % 2 else {"x": tree}
     torch.testing.assert_close(model(tree), model.fc(x))
     assert report.snapshot()[patcher.class_name(Nested)]["ort_calls"] == 1
+
+
+def test_dataclass_inputs_and_outputs_run_in_ort_and_stay_out_of_pytrees_registry() -> None:
+    from torch.utils import _pytree as pytree
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        scale: float
+
+    model = Fields()
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    out = model(Batch(x, 2.0))
+    ref = twin.forward(Batch(x, 2.0))
+    assert type(out) is Batch and out.scale == 2.0
+    torch.testing.assert_close(out.x, ref.x)
+    out.x.sum().backward()
+    ref.x.sum().backward()
+    torch.testing.assert_close(model.fc.weight.grad, twin.fc.weight.grad)
+    assert report.snapshot()[patcher.class_name(Fields)]["ort_calls"] == 1
+    # The user's class is not in torch's process-wide registry: registering it (for
+    # torch.export, say) still works, and the patched module keeps working afterwards.
+    assert Batch not in pytree.SUPPORTED_NODES
+    pytree.register_dataclass(Batch)
+    try:
+        torch.testing.assert_close(model(Batch(x, 2.0)).x, ref.x)
+    finally:
+        pytree._deregister_pytree_node(Batch)
 
 
 def test_tensors_on_two_devices_are_a_clear_error() -> None:

@@ -3,6 +3,15 @@
 The module is wrapped so that the exported graph takes a flat tuple of tensors (user inputs,
 then parameters and buffers as graph inputs fed by reference) and returns a flat tuple of
 tensors. Non-tensor leaves of the inputs are baked into the graph and belong to the cache key.
+
+Global effect: for the length of an export, process-wide state is rebound, all of it under the
+one `EXPORT_LOCK`, so exports in several threads run one after the other and every rebinding is
+undone in the order it was made: torch's ONNX symbolic registry (`symbolics.registered`),
+`torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), `CheckpointFunction.apply` and
+transformers' mask helpers (`tracing.export_rewrites`), and the `__class__` of the exported
+module's objects while their attribute reads are recorded (`ort_autopatch.recording`). Calls made
+in other threads meanwhile see those rebindings; patched calls in this thread step aside
+(`is_exporting`).
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from torch.utils import _pytree as pytree
 from ort_autopatch.engine import objects, trees
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
 
+#: Held for the whole of every export: the process-wide rebindings above are undone in order.
+EXPORT_LOCK = threading.RLock()
 _state = threading.local()
 
 
@@ -159,6 +170,7 @@ def export_call(
     """Trace `forward(*args, **kwargs)` once and return the ONNX graph.
 
     Parameters, buffers and RNG states are exactly as before when this returns, also on failure.
+    Holds `EXPORT_LOCK` throughout (see the module docstring).
     """
     cls = type(module).__qualname__
     wrapper = _FlatModule(module, forward, call_spec)
@@ -175,6 +187,7 @@ def export_call(
 
     try:
         with (
+            EXPORT_LOCK,
             preserved_state(module),
             _exporting(),
             _quiet_exporter(),

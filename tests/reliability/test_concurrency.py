@@ -106,3 +106,34 @@ def test_two_threads_sharing_one_instance_compute_what_serial_calls_compute() ->
             torch.testing.assert_close(out, expected[k][0])
             torch.testing.assert_close(grad, expected[k][1])
     assert patcher._instances[model].engine.builds == 1
+
+
+def test_exports_in_two_threads_run_one_after_the_other() -> None:
+    """Exports rebind process-wide state (symbolics, exporter logging, checkpoint): two of them
+    must never overlap, or one could restore the other's rebinding."""
+    import time
+
+    from ort_autopatch.engine import tracing
+
+    events: list[tuple[str, int]] = []
+    original = tracing.export_rewrites
+
+    def slow_rewrites():  # type: ignore[no-untyped-def]
+        ident = threading.get_ident()
+        with original():
+            events.append(("in", ident))
+            time.sleep(0.2)
+            events.append(("out", ident))
+            yield
+
+    import contextlib
+
+    tracing.export_rewrites = contextlib.contextmanager(slow_rewrites)  # type: ignore[assignment]
+    try:
+        models = [Mlp(), Mlp()]
+        _run_threads([lambda m=m: m(torch.randn(2, 8)).sum().backward() for m in models])
+    finally:
+        tracing.export_rewrites = original  # type: ignore[assignment]
+    assert len(events) == 4
+    assert [kind for kind, _ in events] == ["in", "out", "in", "out"]
+    assert events[0][1] == events[1][1] and events[2][1] == events[3][1]

@@ -1,7 +1,7 @@
 """ort_autopatch: train selected torch.nn.Module classes through ONNX Runtime, unchanged scripts.
 
     import ort_autopatch
-    ort_autopatch.install()          # reads ORT_AUTOPATCH_* (see DESIGN.md)
+    ort_autopatch.install()          # reads ORT_AUTOPATCH_* (docs/options.md)
     ort_autopatch.patch(MyNet)       # or patch one class by hand
 
 Importing this package imports neither torch nor onnxruntime; `install()` imports torch only

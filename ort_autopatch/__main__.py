@@ -1,4 +1,4 @@
-"""``python -m ort_autopatch [options] script.py [args]``: see ``ort_autopatch.cli``."""
+"""`python -m ort_autopatch [options] script.py [args]`: see `ort_autopatch.cli`."""
 
 if __name__ == "__main__":
     from ort_autopatch.cli import main

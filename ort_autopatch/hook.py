@@ -2,17 +2,17 @@
 
 Three ways in, because a class can appear three ways:
 
-* an import hook (a ``sys.meta_path`` finder) scans a module right after it executes;
-* ``install()`` scans modules imported before it ran (``from x import C`` keeps working because
+* an import hook (a `sys.meta_path` finder) scans a module right after it executes;
+* `install()` scans modules imported before it ran (`from x import C` keeps working because
   the class object itself is handed on, never a name);
-* an ``__init_subclass__`` on ``torch.nn.Module`` catches classes created in ``__main__``, inside
+* an `__init_subclass__` on `torch.nn.Module` catches classes created in `__main__`, inside
   functions, after their module loaded, and subclasses of patched classes.
 
-Lessons from other tools (see shared/notes/activation.md): the finder answers ``None`` at once for
-modules nothing can match, walks ``sys.meta_path`` itself instead of calling
-``importlib.util.find_spec`` (which deadlocked ddtrace), wraps the real loader rather than replacing
+Lessons from other tools (docs/architecture.md, "Activation"): the finder answers `None` at once for
+modules nothing can match, walks `sys.meta_path` itself instead of calling
+`importlib.util.find_spec` (which deadlocked ddtrace), wraps the real loader rather than replacing
 it and puts it back on the module, and never lets its own failure break the user's import.
-This module never imports torch: it looks torch up in ``sys.modules``.
+This module never imports torch: it looks torch up in `sys.modules`.
 """
 
 from __future__ import annotations
@@ -43,18 +43,18 @@ PATCHED_MARKER = "__ort_autopatch_patched__"
 
 _TORCH_MODULE_MODULE = "torch.nn.modules.module"
 _WILDCARDS = "*?["
-# Spawned multiprocessing children run the parent's script as ``__mp_main__``; users write
-# ``__main__:Net`` for it, so both names select the same classes.
+# Spawned multiprocessing children run the parent's script as `__mp_main__`; users write
+# `__main__:Net` for it, so both names select the same classes.
 _MAIN_ALIASES = {"__mp_main__": "__main__"}
 _MISSING = object()
 
 
 class Selector:
-    """Which ``module:Class`` pairs are selected, by fnmatch patterns; the exclude list wins.
+    """Which `module:Class` pairs are selected, by fnmatch patterns; the exclude list wins.
 
-    The class side is matched against ``__qualname__`` (``Outer.Inner``, ``f.<locals>.Net``) and
-    against the plain ``__name__``. ``may_match_module`` is on the path of every import in the
-    process, so it answers from a cache, a frozenset of exact names and a ``startswith`` on the
+    The class side is matched against `__qualname__` (`Outer.Inner`, `f.<locals>.Net`) and
+    against the plain `__name__`. `may_match_module` is on the path of every import in the
+    process, so it answers from a cache, a frozenset of exact names and a `startswith` on the
     literal prefixes of wildcard patterns before it ever runs fnmatch.
     """
 
@@ -75,7 +75,7 @@ class Selector:
         self._lock = threading.Lock()
 
     def may_match_module(self, name: str) -> bool:
-        """Cheap test: could any class defined in module ``name`` be selected?"""
+        """Cheap test: could any class defined in module `name` be selected?"""
         cached = self._module_cache.get(name)
         if cached is None:
             alias = _MAIN_ALIASES.get(name)
@@ -95,7 +95,7 @@ class Selector:
         return hit and not any(rx.match(name) for rx in self._whole_module_excludes)
 
     def matches(self, module_name: str, qualname: str) -> bool:
-        """Whether the class ``module_name:qualname`` is selected (and not excluded)."""
+        """Whether the class `module_name:qualname` is selected (and not excluded)."""
         if not self.may_match_module(module_name):
             return False
         hits = _hits(self._compiled_patterns, module_name, qualname)
@@ -106,7 +106,7 @@ class Selector:
         return not self.excluded(module_name, qualname)
 
     def excluded(self, module_name: str, qualname: str) -> bool:
-        """Whether the exclude list names the class ``module_name:qualname``."""
+        """Whether the exclude list names the class `module_name:qualname`."""
         return bool(self._compiled_excludes) and bool(
             _hits(self._compiled_excludes, module_name, qualname, first=True)
         )
@@ -115,7 +115,7 @@ class Selector:
         """Allowlist patterns that have not matched any class so far, for the exit report.
 
         A class the exclude list removes still counts as a match (the pattern is not a typo),
-        except in modules excluded as a whole (``mod:*``), which are never looked at.
+        except in modules excluded as a whole (`mod:*`), which are never looked at.
         """
         with self._lock:
             matched = set(self._matched)
@@ -128,7 +128,7 @@ def _hits(
     qualname: str,
     first: bool = False,
 ) -> list[int]:
-    """Indexes of the patterns matching the class (only the first one if ``first``)."""
+    """Indexes of the patterns matching the class (only the first one if `first`)."""
     modules = (module_name, _MAIN_ALIASES.get(module_name, module_name))
     name = qualname.rpartition(".")[2]
     hits = []
@@ -170,10 +170,10 @@ def _compile(pattern: str) -> re.Pattern[str]:
 
 
 class ImportHook:
-    """Calls ``on_class(cls)`` once for every selected class object, however it comes to exist.
+    """Calls `on_class(cls)` once for every selected class object, however it comes to exist.
 
-    ``on_class`` (the patcher) runs while the class's module is being imported, or inside
-    ``__init_subclass__``; its exceptions are logged, never raised into the user's code.
+    `on_class` (the patcher) runs while the class's module is being imported, or inside
+    `__init_subclass__`; its exceptions are logged, never raised into the user's code.
     """
 
     def __init__(self, selector: Selector, on_class: Callable[[type], None]) -> None:
@@ -191,7 +191,7 @@ class ImportHook:
         self._our_init_subclass: Any = None
 
     def install(self) -> None:
-        """Put the finder first on ``sys.meta_path``, hook torch, and scan what is loaded."""
+        """Put the finder first on `sys.meta_path`, hook torch, and scan what is loaded."""
         with self._lock:
             if self._installed:
                 _log.debug("ort_autopatch import hook already installed; nothing to do")
@@ -209,7 +209,7 @@ class ImportHook:
                 self._scan(name, module)
 
     def uninstall(self) -> None:
-        """Remove the finder and restore ``torch.nn.Module.__init_subclass__`` exactly."""
+        """Remove the finder and restore `torch.nn.Module.__init_subclass__` exactly."""
         with self._lock:
             if not self._installed:
                 return
@@ -221,7 +221,7 @@ class ImportHook:
     # --- torch.nn.Module.__init_subclass__ -------------------------------------------------
 
     def _install_subclass_hook(self) -> bool:
-        """Chain our ``__init_subclass__`` onto torch.nn.Module; False if torch is not loaded."""
+        """Chain our `__init_subclass__` onto torch.nn.Module; False if torch is not loaded."""
         torch_module = sys.modules.get(_TORCH_MODULE_MODULE)
         module_cls = getattr(torch_module, "Module", None)
         if not isinstance(module_cls, type):
@@ -256,7 +256,7 @@ class ImportHook:
         self._module_cls = None
         if module_cls.__dict__.get("__init_subclass__") is not self._our_init_subclass:
             # Someone chained onto ours; removing it would drop theirs. Ours stays as a
-            # pass-through (it checks ``_installed``), which is all that can be done safely.
+            # pass-through (it checks `_installed`), which is all that can be done safely.
             _log.debug("torch.nn.Module.__init_subclass__ was rewrapped; leaving it in place")
             return
         if self._previous_init_subclass is _MISSING:
@@ -294,7 +294,7 @@ class ImportHook:
             _log.error("ort_autopatch failed after importing %s", name, exc_info=True)
 
     def _scan(self, name: str, module: object) -> None:
-        """Hand every selected class defined in ``module`` (nested ones too) to on_class."""
+        """Hand every selected class defined in `module` (nested ones too) to on_class."""
         try:
             namespace = dict(vars(module))
         except TypeError:
@@ -354,7 +354,7 @@ def _is_torch_module(cls: type) -> bool:
 
 
 class _Finder:
-    """The ``sys.meta_path`` entry: finds nothing itself, only wraps loaders of watched modules."""
+    """The `sys.meta_path` entry: finds nothing itself, only wraps loaders of watched modules."""
 
     def __init__(self, hook: ImportHook) -> None:
         self._hook = hook

@@ -15,7 +15,7 @@ from .errors import ConfigError
 
 
 class SkipCheck(enum.IntFlag):
-    """Checks a call may skip to go faster (ORTModule's ``_SkipCheck``)."""
+    """Checks a call may skip to go faster (ORTModule's `_SkipCheck`)."""
 
     SKIP_CHECK_DISABLED = 1
     SKIP_CHECK_DEVICE = 2
@@ -24,7 +24,7 @@ class SkipCheck(enum.IntFlag):
 
 
 class Fallback(enum.IntFlag):
-    """Failures that send a call back to eager PyTorch (ORTModule's ``_FallbackPolicy``)."""
+    """Failures that send a call back to eager PyTorch (ORTModule's `_FallbackPolicy`)."""
 
     FALLBACK_DISABLE = 1
     FALLBACK_FORCE_TORCH_FORWARD = 2
@@ -56,27 +56,27 @@ _FALLBACK_PREFIXES = ("_FallbackPolicy.", "FallbackPolicy.", "Fallback.")
 
 
 def skips(policy: SkipCheck, flag: SkipCheck) -> bool:
-    """Whether ``policy`` skips the check ``flag``; SKIP_CHECK_DISABLED means nothing is skipped."""
+    """Whether `policy` skips the check `flag`; SKIP_CHECK_DISABLED means nothing is skipped."""
     return SkipCheck.SKIP_CHECK_DISABLED not in policy and flag in policy
 
 
 def falls_back(policy: Fallback, flag: Fallback) -> bool:
-    """Whether ``policy`` falls back to eager on ``flag``; FALLBACK_DISABLE means never."""
+    """Whether `policy` falls back to eager on `flag`; FALLBACK_DISABLE means never."""
     return Fallback.FALLBACK_DISABLE not in policy and flag in policy
 
 
 def names(policy: SkipCheck | Fallback) -> list[str]:
-    """The member names set in ``policy``, in declaration order (the inverse of the parsers)."""
+    """The member names set in `policy`, in declaration order (the inverse of the parsers)."""
     return [str(member.name) for member in type(policy) if member in policy]
 
 
 def parse_skip_check(value: str, variable: str) -> SkipCheck:
-    """Parse ``'SKIP_CHECK_DEVICE | SKIP_CHECK_BUILD_GRADIENT'``; ``variable`` names the source."""
+    """Parse `'SKIP_CHECK_DEVICE | SKIP_CHECK_BUILD_GRADIENT'`; `variable` names the source."""
     return _parse(SkipCheck, _SKIP_PREFIXES, value, variable)
 
 
 def parse_fallback(value: str, variable: str) -> Fallback:
-    """Parse ``'FALLBACK_UNSUPPORTED_DATA|FALLBACK_BAD_INITIALIZATION'``; ``variable`` names it."""
+    """Parse `'FALLBACK_UNSUPPORTED_DATA|FALLBACK_BAD_INITIALIZATION'`; `variable` names it."""
     return _parse(Fallback, _FALLBACK_PREFIXES, value, variable)
 
 

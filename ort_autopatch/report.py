@@ -24,7 +24,7 @@ class ClassStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """DESIGN.md's per-class report keys."""
+        """The per-class keys of the report (docs/report.md)."""
         return {
             "instances": self.instances,
             "ort_calls": self.ort_calls,
@@ -71,7 +71,7 @@ def reset() -> None:
 
 
 def prepare() -> None:
-    """Import what ``build``/``write`` need, so that nothing is imported at interpreter exit."""
+    """Import what `build`/`write` need, so that nothing is imported at interpreter exit."""
     import importlib.metadata  # noqa: F401
     import json  # noqa: F401
     import tempfile  # noqa: F401
@@ -109,7 +109,7 @@ def versions() -> dict[str, str | None]:
 
 
 def build(unmatched: list[str]) -> dict[str, Any]:
-    """DESIGN.md's report: versions, per-class counters and the patterns that matched nothing."""
+    """The report (docs/report.md): versions, per-class counters, patterns that matched nothing."""
     return {**versions(), "classes": snapshot(), "unmatched": list(unmatched)}
 
 

@@ -1,1 +1,1 @@
-"""The folder the launcher puts first on PYTHONPATH; only its ``sitecustomize.py`` matters."""
+"""The folder the launcher puts first on PYTHONPATH; only its `sitecustomize.py` matters."""

@@ -1,13 +1,13 @@
 """Activation in every child Python the launcher's process tree starts.
 
-``python -m ort_autopatch`` puts this folder first on PYTHONPATH and exports its configuration
+`python -m ort_autopatch` puts this folder first on PYTHONPATH and exports its configuration
 as ORT_AUTOPATCH_* variables, so DataLoader workers started with spawn, multiprocessing
-spawn/forkserver pools, torchrun ranks and ``subprocess`` calls to python all activate here, at
-interpreter start, before their own ``__main__`` runs. Rules, learnt from other tools' bugs:
+spawn/forkserver pools, torchrun ranks and `subprocess` calls to python all activate here, at
+interpreter start, before their own `__main__` runs. Rules, learnt from other tools' bugs:
 
 * never fail the child: every error is logged (stderr), the child's own code still runs;
 * activate once per process, and not at all in a process this activation itself starts;
-* import the user's own ``sitecustomize`` afterwards (there can be only one module of that name),
+* import the user's own `sitecustomize` afterwards (there can be only one module of that name),
   found on sys.path with this folder removed.
 
 A different Python started with this PYTHONPATH (another venv, another version) only logs why it

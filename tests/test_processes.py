@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import textwrap
 
 from ort_autopatch.cli import BOOTSTRAP_DIR
@@ -258,6 +259,15 @@ def test_sitecustomize_example_is_inert_without_a_selection() -> None:
 def test_bootstrap_ships_in_the_wheel(tmp_path: pathlib.Path) -> None:
     import setuptools  # noqa: F401  (the tests session installs it: a missing one is a failure)
 
+    # A copy without build/ and *.egg-info: setuptools reuses stale files from earlier builds.
+    source = tmp_path / "src"
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(
+            "build", "*.egg-info", ".*", "__pycache__", "tests", "benchmarks", "examples"
+        ),
+    )
     result = run(
         [
             PY,
@@ -269,7 +279,7 @@ def test_bootstrap_ships_in_the_wheel(tmp_path: pathlib.Path) -> None:
             "-q",
             "-w",
             str(tmp_path),
-            str(REPO),
+            str(source),
         ],
         env={"PIP_DISABLE_PIP_VERSION_CHECK": "1"},
         timeout=120,

@@ -242,3 +242,42 @@ def test_a_python_without_a_training_build_says_why_once_and_runs_eagerly(
     assert result.stdout.split() == ["False", "False"]
     assert result.stderr.count("nothing is accelerated") == 1
     assert "no ONNX Runtime training build is installed" in result.stderr
+
+
+def test_auto_activation_logs_through_the_scripts_own_handlers(tmp_path: Path) -> None:
+    (tmp_path / "mymodels.py").write_text(MODELS)
+    script = tmp_path / "main.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import logging, sys
+            logging.basicConfig(stream=sys.stdout, format="MINE %(name)s %(message)s")
+            import ort_autopatch.auto
+            import torch, mymodels
+            mymodels.Net()(torch.randn(3, 4))
+            """
+        )
+    )
+    result = _launch(tmp_path, script, "mymodels:Net,mymodels:Nett")
+    assert result.returncode == 0, result.stderr
+    # The tool's records reach the script's handler (they propagate), and no handler of ours
+    # prints them a second time on stderr.
+    assert (
+        "MINE ort_autopatch --modules pattern 'mymodels:Nett' matched no class; did you mean "
+        "mymodels:Net?" in result.stdout
+    )
+    assert "ort_autopatch" not in result.stderr
+
+
+def test_install_leaves_the_loggers_level_and_propagation_alone() -> None:
+    import logging
+
+    import ort_autopatch
+    from ort_autopatch.config import Config
+
+    logger = logging.getLogger("ort_autopatch")
+    before = (logger.level, logger.propagate, list(logger.handlers))
+    installed = ort_autopatch.install(Config(modules=("nowhere:Nothing",), log_level="DEBUG"))
+    ort_autopatch.uninstall()
+    assert installed
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before

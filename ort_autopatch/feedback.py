@@ -60,7 +60,7 @@ def suggestions(pattern: str, candidates: list[str], limit: int = 3) -> list[str
         if (
             by_class == 1.0
             or (by_class >= 0.8 and by_module >= 0.5)
-            or (by_module == 1.0 and by_class >= 0.6)
+            or (by_module == 1.0 and by_class >= 0.7)
         ):
             scored.append((by_class + by_module, candidate))
     scored.sort(key=lambda item: -item[0])

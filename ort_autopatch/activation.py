@@ -26,9 +26,16 @@ from typing import Any
 
 from ort_autopatch import feedback, install, unmatched_patterns
 from ort_autopatch import report as _report
-from ort_autopatch.config import Config
+from ort_autopatch.config import Config, load_config
+from ort_autopatch.errors import OrtAutopatchError
 
-__all__ = ["ENV_REPORTER", "activate", "current_rank", "is_multiprocessing_helper"]
+__all__ = [
+    "ENV_REPORTER",
+    "activate",
+    "activate_from_environment",
+    "current_rank",
+    "is_multiprocessing_helper",
+]
 
 #: RANK ("" without one) of the nearest process that reports; its children with the same rank
 #: (DataLoader workers, subprocess calls) leave the report to it.
@@ -79,6 +86,25 @@ def activate(config: Config, own_output: bool = False) -> bool:
         _report.prepare()
         atexit.register(_at_exit, config, os.getpid(), rank)
     return installed
+
+
+def activate_from_environment(strict: bool, own_output: bool = False) -> bool:
+    """`activate(load_config())`: the one rule every entry point follows.
+
+    `strict` (`import ort_autopatch.auto`, inside the user's own script): a bad setting raises
+    its `ConfigError`. Otherwise (sitecustomize files, which run in every Python): one error line
+    on stderr and the process runs without the tool. `own_output`: see `activate`.
+    """
+    try:
+        return activate(load_config(), own_output=own_output)
+    except OrtAutopatchError as exc:
+        if strict:
+            raise
+        sys.stderr.write(
+            f"[ort_autopatch] ERROR not activated in {sys.executable} (pid {os.getpid()}), which "
+            f"runs without the tool: {exc}\n"
+        )
+        return False
 
 
 def _wants_output(config: Config) -> bool:

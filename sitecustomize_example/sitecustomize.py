@@ -11,9 +11,8 @@ import sys
 
 if os.environ.get("ORT_AUTOPATCH_MODULES", "").strip():
     try:
-        from ort_autopatch.activation import activate
-        from ort_autopatch.config import load_config
+        from ort_autopatch.activation import activate_from_environment
 
-        activate(load_config())
-    except Exception as exc:  # a bad setting must not break every Python on the machine
+        activate_from_environment(strict=False)  # a bad setting: one error line
+    except Exception as exc:  # ort_autopatch itself broken: never break every Python
         sys.stderr.write(f"[ort_autopatch] ERROR not activated: {type(exc).__name__}: {exc}\n")

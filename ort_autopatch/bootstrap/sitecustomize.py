@@ -50,10 +50,10 @@ def _activate() -> None:
     os.environ[_ACTIVATING] = str(os.getpid())
     try:
         _import_package()
-        from ort_autopatch.activation import activate
-        from ort_autopatch.config import load_config
+        from ort_autopatch.activation import activate_from_environment
 
-        activate(load_config(), own_output=True)  # a child of the launcher's run
+        # A child of the launcher's run: its output is the launcher's.
+        activate_from_environment(strict=False, own_output=True)
     except Exception as exc:
         _warn(
             f"activation failed in {sys.executable} (pid {os.getpid()}); it runs without "

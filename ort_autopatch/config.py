@@ -265,8 +265,8 @@ class Option:
     def describe(self, default: Any) -> str:
         """`--help`'s line: the help, the default when there is one, the variable."""
         shown = self.kind.text(default)
-        if not shown or self.flag_sets is not _Unset.TAKES_VALUE:
-            return f"{self.help} [{self.env}]"
+        if not shown or len(shown) > 40 or self.flag_sets is not _Unset.TAKES_VALUE:
+            return f"{self.help} [{self.env}]"  # a long default is in the help text itself
         return f"{self.help} (default {shown}) [{self.env}]"
 
 
@@ -324,7 +324,8 @@ class Config:
         also_env="ORTMODULE_FALLBACK_POLICY",
         kind=Policy(Fallback, none="FALLBACK_DISABLE"),
         help="'|'-joined FALLBACK_* names (ORTModule's; ORTMODULE_FALLBACK_POLICY is read when "
-        "unset); FALLBACK_DISABLE raises instead of running a class in PyTorch",
+        "unset); FALLBACK_DISABLE raises instead of running a class in PyTorch (default: every "
+        "FALLBACK_UNSUPPORTED_* flag and FALLBACK_BAD_INITIALIZATION)",
     )
     report: str | None = option(
         None,

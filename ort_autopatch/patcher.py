@@ -329,6 +329,8 @@ class _Instance:
                     self.stats.exports += 1
                 self.stats.export_seconds += record.export_seconds
                 self.stats.build_seconds += record.build_seconds
+                for label, count in record.torch_nodes.items():
+                    self.stats.torch_nodes[label] = max(self.stats.torch_nodes[label], count)
                 if record.reason != "first call":
                     self.stats.rebuilds[record.reason] += 1
 

@@ -20,6 +20,8 @@ class ClassStats:
     export_seconds: float = 0.0
     build_seconds: float = 0.0  # gradient build and session creation (or loading from disk)
     ignored_writes: int = 0
+    # operators running as torch-calling nodes inside this class's graphs (most per graph)
+    torch_nodes: Counter[str] = field(default_factory=Counter)
     # Threads share a class's counters; `+=` on them is not atomic.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -39,6 +41,10 @@ class ClassStats:
             "export_seconds": round(self.export_seconds, 4),
             "build_seconds": round(self.build_seconds, 4),
             "ignored_writes": self.ignored_writes,
+            "torch_nodes": {
+                "count": sum(self.torch_nodes.values()),
+                "operators": dict(sorted(self.torch_nodes.items())),
+            },
         }
 
 
@@ -165,6 +171,10 @@ def summary(data: dict[str, Any], max_classes: int = 12) -> str:
                 f"fell back: {r['reason']} ({_clip(r['detail'], 60)}) x{r['count']}"
                 for r in c.get("fallbacks", [])
             ]
+            nodes = c.get("torch_nodes", {})
+            if nodes.get("count"):
+                ops = ", ".join(f"{op} x{n}" for op, n in nodes["operators"].items())
+                why.insert(0, f"torch-calling nodes: {nodes['count']} ({ops})")
             lines.extend(f"    {_clip(text, 96)}" for text in why[:4])
             if len(why) > 4:
                 lines.append(f"    ... {len(why) - 4} more reasons in the JSON report")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from ort_autopatch.engine import runtime
+from ort_autopatch.engine import runtime, torch_nodes
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.session import InferenceProgram, TrainingProgram, ort_message
 
@@ -118,20 +118,29 @@ def run_inference(
             program.fetch_devices,
         )
     except Exception as exc:
-        raise ExecutionError(
-            step.module_class, f"ONNX Runtime forward failed: {ort_message(exc)}", "Run eagerly"
-        ) from exc
+        raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
     return _post_forward(step, _tensors(fetches))
 
 
 class _RunState:
-    __slots__ = ("output_info", "state")
+    __slots__ = ("__weakref__", "output_info", "state")
 
     def __init__(
         self, state: Any, output_info: list[tuple[torch.Size, torch.device, torch.dtype]]
     ) -> None:
         self.state = state
         self.output_info = output_info
+
+
+def _failure(step: Step, phase: str, exc: BaseException) -> ExecutionError:
+    """ORT's message, or the Python error a torch-calling node hit (ORT only saw its result)."""
+    inner = torch_nodes.peek_error()
+    cause = (
+        f"a torch-calling node failed in {phase}: {type(inner).__name__}: {inner}"
+        if inner is not None
+        else f"ONNX Runtime {phase} failed: {ort_message(exc)}"
+    )
+    return ExecutionError(step.module_class, cause, "Run eagerly")
 
 
 class TrainingCall(torch.autograd.Function):
@@ -152,15 +161,19 @@ class TrainingCall(torch.autograd.Function):
         state = capi.PartialGraphExecutionState()
         outputs_vector = capi.OrtValueVector()
         try:
-            program.agent.run_forward(_push(feeds), outputs_vector, state, None)
+            with torch_nodes.collecting() as contexts:
+                program.agent.run_forward(_push(feeds), outputs_vector, state, None)
         except Exception as exc:
-            raise ExecutionError(
-                step.module_class, f"ONNX Runtime forward failed: {ort_message(exc)}", "Run eagerly"
-            ) from exc
+            torch_nodes.release(contexts)
+            raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
         outputs = _tensors(outputs_vector)
         ctx.program = program
         ctx.step = step
         ctx.run = _RunState(state, [(o.shape, o.device, o.dtype) for o in outputs])
+        if contexts:
+            # torch-calling nodes keep their torch graph until backward; free it with the run
+            # when backward never comes (an output nobody backpropagates)
+            weakref.finalize(ctx.run, torch_nodes.release, contexts)
         ctx.set_materialize_grads(False)
         # Saved only for autograd's version check: an in-place write to a parameter between
         # forward and backward raises as in eager instead of silently using the new values.
@@ -194,11 +207,7 @@ class TrainingCall(torch.autograd.Function):
         try:
             program.agent.run_backward(_push(grads), results, run.state)
         except Exception as exc:
-            raise ExecutionError(
-                step.module_class,
-                f"ONNX Runtime backward failed: {ort_message(exc)}",
-                "Run eagerly",
-            ) from exc
+            raise _failure(step, "backward", exc) from torch_nodes.take_error() or exc
         finally:
             run.state = None
         tensors = _tensors(results)

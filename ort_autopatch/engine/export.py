@@ -7,7 +7,8 @@ tensors. Non-tensor leaves of the inputs are baked into the graph and belong to 
 Global effect: for the length of an export, process-wide state is rebound, all of it under the
 one `EXPORT_LOCK`, so exports in several threads run one after the other and every rebinding is
 undone in the order it was made: torch's ONNX symbolic registry (`symbolics.registered`),
-`torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), `CheckpointFunction.apply` and
+`torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), the exporter's
+`_run_symbolic_function` (`_watching_conversions`), `CheckpointFunction.apply` and
 transformers' mask helpers (`tracing.export_rewrites`), and the `__class__` of the exported
 module's objects while their attribute reads are recorded (`ort_autopatch.recording`). Calls made
 in other threads meanwhile see those rebindings; patched calls in this thread step aside
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import random
 import sys
 import threading
@@ -33,6 +35,7 @@ from torch.utils import _pytree as pytree
 from ort_autopatch.engine import objects, trees
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
 
+log = logging.getLogger("ort_autopatch")
 #: Held for the whole of every export: the process-wide rebindings above are undone in order.
 EXPORT_LOCK = threading.RLock()
 _state = threading.local()
@@ -153,6 +156,67 @@ class ExportedGraph:
     # graph input name -> name of the parameter or buffer relative to the user's module
     state_names: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # ATen operator -> ONNX operator types its symbolic emitted (to route a failing one to torch)
+    provenance: dict[str, set[str]] = field(default_factory=dict)
+    routed: frozenset[str] = frozenset()  # ATen operators that became torch-calling nodes
+
+
+class UnexportableOperator(ExportError):
+    """One ATen operator has no usable ONNX symbolic (it may be routed to torch)."""
+
+    def __init__(self, module_class: str, cause: str, remedy: str, operator: str) -> None:
+        super().__init__(module_class, cause, remedy)
+        self.operator = operator
+
+
+#: How many operators one export may route to torch after their export failed.
+MAX_ROUTED_RETRIES = 16
+
+
+@dataclass
+class _Conversions:
+    """What the exporter converted: the operator being converted when it failed, and the ONNX
+    operator types each ATen operator produced."""
+
+    failed: str | None = None
+    provenance: dict[str, set[str]] = field(default_factory=dict)
+
+
+def operator_name(kind: str) -> str:
+    """The name the exporter looks symbolics up by: `aten::relu_` -> `aten::relu` (in-place
+    ops convert as their out-of-place form; `aten::__or__` becomes `aten::__or_` likewise)."""
+    return kind[:-1] if kind.endswith("_") else kind
+
+
+@contextlib.contextmanager
+def _watching_conversions(record: _Conversions) -> Iterator[None]:
+    from torch.onnx._internal.torchscript_exporter import utils
+
+    original = utils._run_symbolic_function
+
+    def watched(
+        graph: Any, block: Any, node: Any, inputs: Any, env: Any, values_in_env: Any,
+        new_nodes: Any, *rest: Any,
+    ) -> Any:
+        start = len(new_nodes)
+        try:
+            result = original(graph, block, node, inputs, env, values_in_env, new_nodes, *rest)
+        except Exception:
+            if record.failed is None:
+                record.failed = node.kind()
+            raise
+        kind = node.kind()
+        if kind.startswith("aten::"):
+            made = record.provenance.setdefault(operator_name(kind), set())
+            made.update(n.kind().split("::", 1)[-1] for n in new_nodes[start:])
+        return result
+
+    # Only under EXPORT_LOCK, which serialises the engine's exports.
+    utils._run_symbolic_function = watched  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        utils._run_symbolic_function = original  # type: ignore[assignment]
 
 
 PARAM_PREFIX = "m."
@@ -166,13 +230,42 @@ def export_call(
     *,
     opset: int,
     dynamic: bool = True,
+    routed: frozenset[str] = frozenset(),
+    may_route: Callable[[str], bool] = lambda name: False,
 ) -> ExportedGraph:
     """Trace `forward(*args, **kwargs)` once and return the ONNX graph.
 
+    Custom autograd Functions and the ATen operators named in `routed` become torch-calling
+    nodes (torch_nodes.py). An ATen operator whose export fails is routed too when
+    `may_route(name)` allows it, and the export is tried again.
     Parameters, buffers and RNG states are exactly as before when this returns, also on failure.
     Holds `EXPORT_LOCK` throughout (see the module docstring).
     """
+    chosen = set(routed)
+    while True:
+        try:
+            return _export_once(
+                module, forward, call_spec, tensors, opset, dynamic, frozenset(chosen)
+            )
+        except UnexportableOperator as exc:
+            name = exc.operator
+            if name in chosen or len(chosen) >= MAX_ROUTED_RETRIES or not may_route(name):
+                raise
+            log.debug("%s: %s becomes a torch-calling node", exc.module_class, name)
+            chosen.add(name)
+
+
+def _export_once(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    call_spec: CallSpec,
+    tensors: Sequence[torch.Tensor],
+    opset: int,
+    dynamic: bool,
+    routed: frozenset[str],
+) -> ExportedGraph:
     cls = type(module).__qualname__
+    conversions = _Conversions()
     wrapper = _FlatModule(module, forward, call_spec)
     input_names = [f"input_{i}" for i in range(len(tensors))]
     dynamic_axes: dict[str, dict[int, str]] = {}
@@ -191,7 +284,8 @@ def export_call(
             preserved_state(module),
             _exporting(),
             _quiet_exporter(),
-            symbolics.registered(opset),
+            _watching_conversions(conversions),
+            symbolics.registered(opset, symbolics.for_export(routed)),
             tracing.export_rewrites(),
             torch.no_grad(),
             warnings.catch_warnings(),
@@ -207,12 +301,24 @@ def export_call(
                 do_constant_folding=False,
                 export_params=False,
                 keep_initializers_as_inputs=True,
+                autograd_inlining=False,  # Functions reach our prim::PythonOp symbolic
                 input_names=input_names,
                 dynamic_axes=dynamic_axes or None,
             )
     except UnsupportedModelError:
         raise
     except Exception as exc:
+        failed = conversions.failed
+        if failed is not None and failed.startswith("aten::"):
+            name = operator_name(failed)
+            raise UnexportableOperator(
+                cls,
+                f"torch.onnx.export failed at {name}: {type(exc).__name__}: {_first_line(exc)}",
+                f"Allow {name} to run as a torch-calling node, exclude this class "
+                "(ORT_AUTOPATCH_EXCLUDE) or keep the default fallback policy, which runs it "
+                "eagerly",
+                name,
+            ) from exc
         raise ExportError(
             cls,
             f"torch.onnx.export failed: {type(exc).__name__}: {_first_line(exc)}",
@@ -231,6 +337,8 @@ def export_call(
         output_spec=wrapper.output_spec,
         state_names=state_names,
         seconds=time.perf_counter() - start,
+        provenance=conversions.provenance,
+        routed=routed,
     )
 
 

@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 #: Bumped whenever a pass changes what it emits; part of every persistent cache key.
-GRAPH_FIX_VERSION = 2  # 2: export-time symbolics and rewrites (symbolics.py, tracing.py)
+GRAPH_FIX_VERSION = 3  # 3: torch-calling nodes (torch_nodes.py)
 
 
 def _unique(model: onnx.ModelProto, base: str) -> str:
@@ -361,6 +361,37 @@ def _hoist_producers(model: onnx.ModelProto, yield_index: int, names: list[str])
     kept = [node for k, node in enumerate(after) if k not in needed]
     del model.graph.node[:]
     model.graph.node.extend([*nodes[:yield_index], *moved, nodes[yield_index], *kept])
+
+
+def cross_entropy_log_prob(model: onnx.ModelProto) -> int:
+    """Give SoftmaxCrossEntropyLoss its log_prob output: ORT's gradient builder reads it
+    (`GradientBuilderBase::O(1)`) and fails when the export left it out."""
+    changed = 0
+    for node in model.graph.node:
+        if (
+            node.op_type == "SoftmaxCrossEntropyLoss"
+            and node.domain in ("", "ai.onnx")
+            and len(node.output) < 2
+        ):
+            node.output.append(_unique(model, f"{node.name or 'sce'}_log_prob"))
+            changed += 1
+    return changed
+
+
+def torch_node_mode(model: onnx.ModelProto, training: bool) -> int:
+    """Tell each torch-calling node whether its graph gets a gradient.
+
+    In a training graph a node keeps its torch autograd graph for PythonOpGrad; in a
+    forward-only graph it runs under no_grad and must hand ORT no context.
+    """
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "PythonOp" and node.domain == "com.microsoft":
+            for attr in node.attribute:
+                if attr.name == "training_mode":
+                    attr.i = int(training)
+            changed += 1
+    return changed
 
 
 def has_op(model: onnx.ModelProto, op_type: str) -> bool:

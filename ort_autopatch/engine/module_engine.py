@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ort_autopatch.engine import bridge, export, graph, session, signature
+from ort_autopatch.engine import bridge, export, graph, session, signature, torch_nodes
 from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.errors import (
     ExportError,
@@ -49,6 +49,10 @@ class EngineOptions:
     cache_size: int = 8
     cache_dir: Path | None = None  # persistent graph cache
     save_onnx: Path | None = None  # folder to write exported and gradient graphs
+    # ATen operators ("aten::einsum") that always run as torch-calling nodes, and those that
+    # never do; any other operator becomes one only when ORT cannot export or differentiate it.
+    torch_ops: frozenset[str] = frozenset()
+    no_torch_ops: frozenset[str] = frozenset()
 
 
 class Guards(Protocol):
@@ -73,6 +77,8 @@ class BuildRecord:
     build_seconds: float
     training: bool
     from_disk: bool = False
+    # operators running as torch-calling nodes in the graph built ("aten::cummax": 2)
+    torch_nodes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Recipe:
     batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
     seeds_dropout: bool
     optimized: bytes | None = None  # ORT's optimised form of the graph that runs
+    torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
 
 
 @dataclass
@@ -151,6 +158,8 @@ class ModuleEngine:
         self._last_in_mode: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.settings = session.SessionSettings(self.options.threads)
         self._store = _store_for(self.options.cache_dir)
+        # operators learned to need torch-calling nodes, so later exports start with them
+        self._routed: frozenset[str] = frozenset(self.options.torch_ops)
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -301,14 +310,26 @@ class ModuleEngine:
             recipe, export_seconds = self._export_recipe(module, state, call, grad, progress)
             progress.phase = "session"
             entry = self._instantiate(recipe, state, call, device)
-            self._record(reason, export_seconds, time.perf_counter() - start - export_seconds, grad)
+            self._record(
+                reason,
+                export_seconds,
+                time.perf_counter() - start - export_seconds,
+                grad,
+                torch_nodes=recipe.torch_nodes,
+            )
         self._save(module, recipe, state, call, grad, device, base_key=persisted)
         return entry
 
     def _record(
-        self, reason: str, export_s: float, build_s: float, grad: bool, from_disk: bool = False
+        self,
+        reason: str,
+        export_s: float,
+        build_s: float,
+        grad: bool,
+        from_disk: bool = False,
+        torch_nodes: dict[str, int] | None = None,
     ) -> None:
-        record = BuildRecord(reason, export_s, build_s, grad, from_disk)
+        record = BuildRecord(reason, export_s, build_s, grad, from_disk, dict(torch_nodes or {}))
         self.records.append(record)
         log.debug(
             "%s: %s %s graph (%s) in %.3fs export + %.3fs build",
@@ -335,7 +356,8 @@ class ModuleEngine:
             if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
             progress.phase = "gradient build"
-            return self._recipe(state, call, exported, model, grad), exported.seconds
+            recipe, exported = self._routed_recipe(module, state, call, exported, model, grad)
+            return recipe, exported.seconds
         except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
             if not dynamic:
                 raise
@@ -347,12 +369,65 @@ class ModuleEngine:
             exported = self._export(module, call, dynamic=False)
             model = _load(exported.model_bytes)
             progress.phase = "gradient build"
-            recipe = self._recipe(state, call, exported, model, grad)
+            recipe, exported = self._routed_recipe(module, state, call, exported, model, grad)
             self._static_shapes = True
             return recipe, exported.seconds
 
+    def _may_route(self, name: str) -> bool:
+        return name not in self.options.no_torch_ops
+
+    def _routed_recipe(
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        call: signature.FlatCall,
+        exported: export.ExportedGraph,
+        model: Any,
+        grad: bool,
+    ) -> tuple[Recipe, export.ExportedGraph]:
+        """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
+        export produced it become torch-calling nodes and the call is exported again."""
+        from ort_autopatch.engine import torch_ops
+
+        devices = state.devices() | {t.device for t in call.tensors}
+        device = next(iter(devices), torch.device("cpu"))
+        while True:
+            try:
+                recipe = self._recipe(state, call, exported, model, grad)
+                missing = set()
+                if recipe.gradient is not None:
+                    missing = torch_ops.unrunnable_gradients(recipe.gradient.model, device)
+                if not missing:
+                    self._routed = self._routed | exported.routed
+                    return recipe, exported
+                culprits = set().union(
+                    *(torch_ops.producers(op, exported.provenance) for op in missing)
+                )
+                failure: Exception = GradientBuildError(
+                    self._cls,
+                    f"ONNX Runtime has no {device.type} kernel for the gradient of "
+                    + ", ".join(sorted(missing)),
+                    "Allow the operators producing it to run as torch-calling nodes, or run "
+                    "this class eagerly",
+                )
+            except GradientBuildError as exc:
+                culprits = torch_ops.culprits(exc.cause, exported.provenance)
+                failure = exc
+            more = {c for c in culprits if self._may_route(c)} - exported.routed
+            if not more:
+                raise failure
+            log.debug("%s: %s become torch-calling nodes", self._cls, ", ".join(sorted(more)))
+            exported = self._export(
+                module, call, dynamic=not self._static_shapes, routed=exported.routed | more
+            )
+            model = _load(exported.model_bytes)
+
     def _export(
-        self, module: torch.nn.Module, call: signature.FlatCall, dynamic: bool
+        self,
+        module: torch.nn.Module,
+        call: signature.FlatCall,
+        dynamic: bool,
+        routed: frozenset[str] | None = None,
     ) -> export.ExportedGraph:
         forward = self._forward
         return export.export_call(
@@ -362,6 +437,8 @@ class ModuleEngine:
             call.tensors,
             opset=self.options.opset,
             dynamic=dynamic,
+            routed=self._routed if routed is None else routed,
+            may_route=self._may_route,
         )
 
     def _recipe(
@@ -376,7 +453,9 @@ class ModuleEngine:
         graph.name_outputs(model)
         num_user_outputs = len(model.graph.output)
         graph.relax_shapes(model)
+        graph.torch_node_mode(model, grad)
         graph.layer_norm_outputs(model)
+        graph.cross_entropy_log_prob(model)
         graph.attention_dropout(model)
         padding = _embedding_padding(state, exported.state_names)
         frozen = graph.embedding_padding(model, padding) if grad and padding else []
@@ -445,6 +524,7 @@ class ModuleEngine:
             seeds_dropout=any(
                 n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node
             ),
+            torch_nodes=torch_nodes.Inventory.of(model).counts,
         )
 
     def _instantiate(
@@ -558,7 +638,9 @@ class ModuleEngine:
 
         # Recomputed: the build may have switched to static shapes.
         static = self._persistent_key(module, state, call, grad, device)
-        if self._store is not None and static is not None and base_key is not None:
+        # torch-calling nodes name callables of this process: such graphs cannot be reloaded
+        persistable = not recipe.torch_nodes
+        if persistable and self._store is not None and static is not None and base_key is not None:
             paths = self._guards.paths() if self._guards is not None else []
             known = self._store.paths(static)
             union = known + [p for p in paths if p not in known]

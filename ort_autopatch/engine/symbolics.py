@@ -174,13 +174,28 @@ def _current_override(name: str, opset: int) -> Callable[..., Any] | None:
     return functions._overrides.get(opset) if functions.overridden(opset) else None
 
 
+def for_export(routed: frozenset[str] = frozenset()) -> dict[str, Callable[..., Any]]:
+    """Every symbolic one export needs: ours, custom autograd Functions as torch-calling nodes,
+    and the ATen operators in `routed` (e.g. "aten::cummax") as torch-calling nodes."""
+    from ort_autopatch.engine import torch_ops
+
+    found: dict[str, Callable[..., Any]] = dict(SYMBOLICS)
+    found["prim::PythonOp"] = torch_ops.autograd_function
+    for name in routed:
+        found[name] = torch_ops.aten_symbolic(name)
+    return found
+
+
 @contextlib.contextmanager
-def registered(opset: int) -> Iterator[None]:
+def registered(
+    opset: int, symbolics: dict[str, Callable[..., Any]] | None = None
+) -> Iterator[None]:
     """Our symbolics for one export at `opset`; the registry is as before afterwards."""
+    chosen = SYMBOLICS if symbolics is None else symbolics
     with _lock:
-        previous = {name: _current_override(name, opset) for name in SYMBOLICS}
+        previous = {name: _current_override(name, opset) for name in chosen}
         try:
-            for name, function in SYMBOLICS.items():
+            for name, function in chosen.items():
                 torch.onnx.register_custom_op_symbolic(name, function, opset)
             yield
         finally:

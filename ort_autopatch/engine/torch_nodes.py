@@ -1,0 +1,546 @@
+"""Torch inside the graph: `com.microsoft::PythonOp` nodes whose forward and backward call PyTorch.
+
+ONNX Runtime's training build runs a `PythonOp` by calling a registered *runner* with DLPack
+tensors, and its gradient `PythonOpGrad` by calling a second runner with the context the first
+one returned. ORT 1.19.2 takes the runners as addresses of C++ functions
+(`std::vector<PyObject*> runner(const char*, void*, const std::vector<int64_t>&, ...)`);
+ORTModule compiles a torch C++ extension for them. Here they are ctypes callbacks that follow the
+x86-64 System V calling convention of that signature (the returned vector comes back through a
+hidden pointer; vectors are three pointers, the library's `operator new` allocates), so nothing
+is compiled on the user's machine.
+
+Every node gets its own registered name, mapped here to a `NodeSpec`: the torch callable, the
+non-tensor arguments in place (kept in Python, so floats are not rounded to float32 as ORT's
+scalar attributes would be) and how outputs travel. Forward runs the callable under autograd
+(training graphs) and keeps its torch graph in the context object; backward runs
+`torch.autograd.grad` over that graph, so a custom `autograd.Function` sees its own
+`save_for_backward`, `needs_input_grad`, `mark_non_differentiable` and `materialize_grads`
+semantics, and an ATen operator gets torch's own derivative.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import platform
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import dlpack
+
+log = logging.getLogger("ort_autopatch")
+
+DOMAIN = "com.microsoft"
+OP_TYPE = "PythonOp"
+GRAD_OP_TYPE = "PythonOpGrad"
+NAME_PREFIX = "ort_autopatch."
+TENSOR = object()  # placeholder for a tensor argument in NodeSpec.template
+
+
+@dataclass
+class NodeSpec:
+    """What one PythonOp node calls and how its values travel."""
+
+    name: str  # the node's func_name, unique in the process
+    label: str  # what reports show: "aten::cummax", "Function mypkg.STE"
+    kind: str  # "function" or "aten"
+    call: Callable[..., Any]
+    template: list[Any]  # arguments with constants in place, TENSOR where a tensor goes
+    bool_inputs: list[bool]  # tensor inputs that are bool (ORT hands them over as uint8)
+    bool_outputs: list[bool]  # outputs that are bool (travel as uint8, cast back in the graph)
+    num_outputs: int
+    random: bool = False  # draws random numbers: runs on a fork of the RNG, seeded by the tool
+    output_dtypes: list[torch.dtype] = field(default_factory=list)
+    clone_inputs: bool = False  # until the first run shows it never writes its inputs
+
+
+_specs: dict[str, NodeSpec] = {}
+_counter = itertools.count()
+_lock = threading.Lock()
+
+
+def supported_platform() -> str | None:
+    """None where the ctypes runners work, else why not."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return (
+            f"torch-calling nodes need x86-64 Linux (the runner calling convention), "
+            f"not {sys.platform}/{platform.machine()}"
+        )
+    return None
+
+
+def new_spec(
+    label: str,
+    kind: str,
+    call: Callable[..., Any],
+    template: list[Any],
+    bool_inputs: list[bool],
+    bool_outputs: list[bool],
+    random: bool = False,
+    clone_inputs: bool = False,
+    output_dtypes: Sequence[torch.dtype] = (),
+) -> NodeSpec:
+    """Register a node's callable under a fresh name (ORT holds the name for the process)."""
+    ensure_runners()
+    with _lock:
+        name = f"{NAME_PREFIX}{kind}.{next(_counter)}"
+        spec = NodeSpec(
+            name,
+            label,
+            kind,
+            call,
+            template,
+            bool_inputs,
+            bool_outputs,
+            len(bool_outputs),
+            random=random,
+            clone_inputs=clone_inputs,
+            output_dtypes=list(output_dtypes),
+        )
+        _specs[name] = spec
+    _, capi = _ort()
+    capi.register_torch_autograd_function(name, _Registered)
+    return spec
+
+
+def spec_named(name: str) -> NodeSpec | None:
+    return _specs.get(name)
+
+
+class _Registered(torch.autograd.Function):
+    """What ORT's function pool stores per name (it insists on an autograd.Function); our
+    runners ignore it and find the node's NodeSpec by name."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> Any:  # pragma: no cover - never called by our runners
+        raise RuntimeError("called outside ort_autopatch's runners")
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never called by our runners
+        raise RuntimeError("called outside ort_autopatch's runners")
+
+
+# -- the context a forward hands to ORT and gets back in backward ------------------------------
+class Context:
+    """Holds one forward's torch graph until ORT's PythonOpGrad asks for gradients.
+
+    ORT keeps one reference in its context pool (released after backward); `_live` keeps a
+    second one, which `release` drops for forwards whose backward never comes.
+    """
+
+    __slots__ = ("__weakref__", "leaves", "outputs", "input_meta", "spec")
+
+    def __init__(
+        self,
+        spec: NodeSpec,
+        leaves: list[torch.Tensor | None],
+        outputs: list[torch.Tensor],
+        input_meta: list[tuple[torch.Size, torch.dtype, torch.device]],
+    ) -> None:
+        self.spec = spec
+        self.leaves = leaves
+        self.outputs = outputs
+        self.input_meta = input_meta
+
+    def clear(self) -> None:
+        self.leaves = []
+        self.outputs = []
+
+
+_live: dict[int, Context] = {}
+_live_lock = threading.Lock()
+_errors = threading.local()
+
+
+def take_error() -> BaseException | None:
+    """The Python exception a runner hit in this thread (ORT only sees an empty result)."""
+    error = getattr(_errors, "value", None)
+    _errors.value = None
+    return error
+
+
+def peek_error() -> BaseException | None:
+    return getattr(_errors, "value", None)
+
+
+def live_contexts() -> int:
+    return len(_live)
+
+
+# -- forward and backward in Python -------------------------------------------------------------
+def _from_capsule(capsule: Any, as_bool: bool) -> torch.Tensor:
+    tensor = dlpack.from_dlpack(capsule)
+    if as_bool and tensor.dtype is not torch.bool:
+        tensor = tensor.view(torch.bool) if tensor.dtype is torch.uint8 else tensor.bool()
+    return tensor
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """Dense row-major storage, as ORT's DLPack reader requires."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    if t.stride() != tuple(reversed(strides)):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _to_capsule(t: torch.Tensor, as_uint8: bool) -> Any:
+    t = t.detach()
+    if as_uint8 or t.dtype is torch.bool:
+        t = t.to(torch.uint8)
+    return dlpack.to_dlpack(_canonical(t))
+
+
+def _fill(template: list[Any], feed: Any) -> list[Any]:
+    """The template with every TENSOR (or scalar marker) replaced by `feed(marker)`."""
+    values: list[Any] = []
+    for item in template:
+        if item is TENSOR or _is_marker(item):
+            values.append(feed(item))
+        elif isinstance(item, list) and any(i is TENSOR or _is_marker(i) for i in item):
+            values.append(_fill(item, feed))
+        else:
+            values.append(item)
+    return values
+
+
+def _is_marker(item: Any) -> bool:
+    return hasattr(item, "convert") and hasattr(item, "kind")
+
+
+def run_forward(
+    spec: NodeSpec, training: bool, requires_grad: Sequence[int], args: Sequence[Any]
+) -> tuple[Any, list[Any]]:
+    """Returns (context or None, DLPack capsules of the outputs)."""
+    leaves: list[torch.Tensor | None] = []
+    meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+    inputs: list[torch.Tensor] = []
+    position = iter(range(len(args)))
+    clone = spec.clone_inputs and training
+
+    def feed(marker: Any) -> Any:
+        k = next(position)
+        capsule = args[k]
+        if capsule is None:
+            leaves.append(None)
+            meta.append((torch.Size(), torch.float32, torch.device("cpu")))
+            return None
+        tensor = _from_capsule(capsule, spec.bool_inputs[k])
+        meta.append((tensor.shape, tensor.dtype, tensor.device))
+        if marker is not TENSOR:
+            leaves.append(None)
+            return marker.convert(tensor)
+        if training and requires_grad[k] and (tensor.is_floating_point() or tensor.is_complex()):
+            leaf = tensor.detach().requires_grad_(True)
+            leaves.append(leaf)
+            tensor = leaf
+        else:
+            leaves.append(None)
+        if clone:
+            # A Function may write its inputs in place (mark_dirty); ORT's buffers must not
+            # change, and autograd refuses in-place writes to leaves.
+            with torch.enable_grad():
+                tensor = tensor.clone()
+        inputs.append(tensor)
+        return tensor
+
+    values = _fill(spec.template, feed)
+    versions = [t._version for t in inputs]
+    with torch.enable_grad() if training else torch.no_grad():
+        if spec.random:
+            result = _seeded(spec.call, values, inputs)
+        else:
+            result = spec.call(*values)
+    if clone and all(t._version == v for t, v in zip(inputs, versions, strict=True)):
+        spec.clone_inputs = False  # it never writes its inputs: no copies from now on
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    if spec.kind == "function" and len(outputs) == spec.num_outputs:
+        # a Python number returned beside tensors was traced as a tensor (e.g. a size)
+        outputs = [
+            o if isinstance(o, torch.Tensor) else torch.as_tensor(o, dtype=dtype)
+            for o, dtype in zip(outputs, spec.output_dtypes, strict=True)
+        ]
+    if len(outputs) != spec.num_outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
+        raise RuntimeError(
+            f"{spec.label} returned {len(outputs)} values, the graph expects "
+            f"{spec.num_outputs} tensors"
+        )
+    storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    capsules = []
+    for out, as_bool in zip(outputs, spec.bool_outputs, strict=True):
+        handed = out.detach()
+        if handed.numel() and handed.untyped_storage().data_ptr() in storages:
+            handed = handed.clone()  # ORT may reuse an input's buffer once it is consumed
+        capsules.append(_to_capsule(handed, as_bool))
+    if not training:
+        return None, capsules
+    ctx = Context(spec, leaves, outputs, meta)
+    with _live_lock:
+        _live[id(ctx)] = ctx
+    collected = getattr(_collecting, "contexts", None)
+    if collected is not None:
+        collected.append(ctx)
+    return ctx, capsules
+
+
+_collecting = threading.local()
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Context]]:
+    """The contexts the torch-calling nodes of one ORT forward create in this thread; pass them
+    to `release` when that forward's backward will never run."""
+    previous = getattr(_collecting, "contexts", None)
+    found: list[Context] = []
+    _collecting.contexts = found
+    try:
+        yield found
+    finally:
+        _collecting.contexts = previous
+
+
+def release(contexts: Sequence[Context]) -> None:
+    """Free the torch graphs of forwards whose backward never ran (ORT keeps a tiny shell)."""
+    with _live_lock:
+        for ctx in contexts:
+            _live.pop(id(ctx), None)
+    for ctx in contexts:
+        ctx.clear()
+
+
+def default_seed() -> int:
+    """A seed from the tool's own generator, reseeded from `torch.initial_seed()`: random ops
+    in graphs are reproducible under `torch.manual_seed` and leave the user's stream alone."""
+    global _generator, _generator_seed
+    initial = torch.initial_seed()
+    with _lock:
+        if _generator is None or _generator_seed != initial:
+            _generator = torch.Generator().manual_seed(initial ^ 0x5EED)
+            _generator_seed = initial
+        return int(torch.randint(0, 2**62, (), generator=_generator))
+
+
+_generator: torch.Generator | None = None
+_generator_seed: int | None = None
+#: Where random torch-calling nodes get their seed (the engine's generator owner may rebind it).
+seed_source: Callable[[], int] = default_seed
+
+
+def _seeded(call: Callable[..., Any], values: list[Any], inputs: list[torch.Tensor]) -> Any:
+    """Run a random operator on a forked RNG seeded from the tool's generator."""
+    seed = seed_source()
+    cuda = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        for index in cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        return call(*values)
+
+
+def run_backward(ctx: Context, grads: Sequence[Any]) -> list[Any]:
+    """Gradients for every tensor input of the forward (zeros where torch has none)."""
+    with _live_lock:
+        _live.pop(id(ctx), None)
+    try:
+        pairs = [
+            (out, _from_capsule(g, False))
+            for out, g in zip(ctx.outputs, grads, strict=False)
+            if g is not None and isinstance(out, torch.Tensor) and out.requires_grad
+        ]
+        wanted = [leaf for leaf in ctx.leaves if leaf is not None]
+        found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+        if pairs and wanted:
+            outs, grad_outs = zip(*pairs, strict=True)
+            found = torch.autograd.grad(
+                outs, wanted, grad_outs, allow_unused=True, materialize_grads=False
+            )
+        by_leaf = iter(found)
+        result: list[Any] = []
+        for leaf, (shape, dtype, device) in zip(ctx.leaves, ctx.input_meta, strict=True):
+            if leaf is None:
+                result.append(None)
+                continue
+            grad = next(by_leaf)
+            if grad is None:
+                grad = torch.zeros(shape, dtype=dtype, device=device)
+            result.append(_to_capsule(grad, False))
+        return result
+    finally:
+        ctx.clear()
+
+
+# -- the C++ calling convention, from ctypes ---------------------------------------------------
+# std::vector<PyObject*> runner(const char* func_name, void* callback,
+#     const std::vector<int64_t>& requires_grads, const std::vector<int64_t>& tensor_flags,
+#     bool is_training_mode, const std::vector<int64_t>& inplace_map, const char* invoke_id,
+#     bool safe_run_mode, const std::vector<PyObject*>& args)
+# The vector is not trivially copyable, so the caller passes where to build it (first, hidden
+# argument) and expects that address back.
+_RUNNER = ctypes.CFUNCTYPE(
+    ctypes.c_void_p,  # the sret pointer, returned
+    ctypes.c_void_p,  # sret
+    ctypes.c_char_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_bool,
+    ctypes.c_void_p,
+    ctypes.c_char_p,
+    ctypes.c_bool,
+    ctypes.c_void_p,
+)
+_WORD = ctypes.sizeof(ctypes.c_void_p)
+
+
+def _vector_words(address: int, kind: Any = ctypes.c_int64) -> list[int]:
+    begin = ctypes.c_size_t.from_address(address).value
+    end = ctypes.c_size_t.from_address(address + _WORD).value
+    count = (end - begin) // _WORD
+    if count == 0:
+        return []
+    return list((kind * count).from_address(begin))
+
+
+def _objects(address: int) -> list[Any]:
+    return [
+        ctypes.cast(ctypes.c_void_p(pointer), ctypes.py_object).value
+        for pointer in _vector_words(address, ctypes.c_uint64)
+    ]
+
+
+_operator_new: Any = None
+_incref = ctypes.pythonapi.Py_IncRef
+_incref.argtypes = [ctypes.py_object]
+_incref.restype = None
+
+
+def _write_vector(sret: int, objects: Sequence[Any]) -> None:
+    """Build std::vector<PyObject*> at `sret`, each element owning one reference."""
+    words = ctypes.c_size_t * 3
+    header = words.from_address(sret)
+    if not objects:
+        header[0] = header[1] = header[2] = 0
+        return
+    size = len(objects) * _WORD
+    data = _operator_new(size)
+    array = (ctypes.c_void_p * len(objects)).from_address(data)
+    for k, obj in enumerate(objects):
+        _incref(obj)
+        array[k] = id(obj)
+    header[0] = data
+    header[1] = header[2] = data + size
+
+
+def _runner(forward: bool) -> Any:
+    def run(
+        sret: int,
+        func_name: bytes,
+        callback: int,
+        requires_grads: int,
+        tensor_flags: int,
+        training: bool,
+        inplace_map: int,
+        invoke_id: bytes,
+        safe_run: bool,
+        args: int,
+    ) -> int:
+        results: list[Any] = []
+        try:
+            name = func_name.decode()
+            spec = _specs.get(name)
+            if spec is None:
+                raise RuntimeError(f"no torch-calling node named {name!r} in this process")
+            values = _objects(args)
+            if forward:
+                flags = _vector_words(requires_grads)
+                ctx, capsules = run_forward(spec, bool(training), flags, values)
+                results = [ctx, *capsules]
+            else:
+                ctx = values[0]
+                results = run_backward(ctx, values[1:])
+        except BaseException as exc:  # noqa: BLE001 - must never unwind into C++
+            _errors.value = exc
+            log.debug("torch-calling node failed", exc_info=True)
+            results = []  # ORT then fails the run with its own message
+        _write_vector(sret, results)
+        return sret
+
+    return _RUNNER(run)
+
+
+_runners: tuple[Any, Any] | None = None
+
+
+def _ort() -> tuple[Any, Any]:
+    from ort_autopatch.engine import runtime
+
+    return runtime.load()
+
+
+def ensure_runners() -> None:
+    """Hand ORT our forward and backward runners, once per process."""
+    global _runners, _operator_new
+    if _runners is not None:
+        return
+    with _lock:
+        if _runners is not None:
+            return
+        reason = supported_platform()
+        if reason is not None:
+            raise RuntimeError(reason)
+        _, capi = _ort()
+        libstdcxx = ctypes.CDLL("libstdc++.so.6")
+        new = libstdcxx._Znwm  # operator new(size_t): what ORT's vector destructor frees
+        new.argtypes = [ctypes.c_size_t]
+        new.restype = ctypes.c_void_p
+        _operator_new = new
+        forward, backward = _runner(True), _runner(False)
+        capi.register_forward_runner(ctypes.cast(forward, ctypes.c_void_p).value)
+        capi.register_backward_runner(ctypes.cast(backward, ctypes.c_void_p).value)
+        _runners = (forward, backward)  # the callbacks must outlive every session
+
+
+@dataclass
+class NodeRecord:
+    """One torch-calling node in a graph, for reports."""
+
+    name: str
+    label: str
+    kind: str
+
+
+def nodes_in(model: Any) -> list[NodeRecord]:
+    """The torch-calling nodes of an ONNX model (forward nodes only)."""
+    found = []
+    for node in model.graph.node:
+        if node.op_type == OP_TYPE and node.domain == DOMAIN:
+            name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+            spec = _specs.get(name)
+            if spec is not None:
+                found.append(NodeRecord(name, spec.label, spec.kind))
+    return found
+
+
+@dataclass
+class Inventory:
+    """How many nodes of a graph run through torch, by label."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: Any) -> Inventory:
+        counts: dict[str, int] = {}
+        for record in nodes_in(model):
+            counts[record.label] = counts.get(record.label, 0) + 1
+        return cls(counts)

@@ -1,0 +1,390 @@
+"""Export-time symbolics that turn a traced call into a torch-calling node (torch_nodes.py).
+
+Two sources: a custom `torch.autograd.Function` (the tracer records `prim::PythonOp`; the node
+calls the Function's own `apply`, so its own forward and backward run), and any ATen operator
+the engine routes to torch (no ONNX symbolic, no ORT gradient, or faster in torch): the node
+calls the operator overload the tracer recorded, with the arguments it recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_helper
+
+from ort_autopatch.engine import torch_nodes
+from ort_autopatch.engine.torch_nodes import TENSOR
+
+_Scalar = _type_utils.JitScalarType
+
+#: ATen operators that draw random numbers: their node runs under the tool's generator.
+RANDOM_OPS = frozenset(
+    {
+        "aten::multinomial",
+        "aten::bernoulli",
+        "aten::dropout",
+        "aten::feature_dropout",
+        "aten::alpha_dropout",
+        "aten::feature_alpha_dropout",
+        "aten::rrelu",
+        "aten::rand",
+        "aten::rand_like",
+        "aten::randn",
+        "aten::randn_like",
+        "aten::randint",
+        "aten::randint_like",
+        "aten::randperm",
+        "aten::normal",
+        "aten::lstm",
+        "aten::gru",
+        "aten::rnn_tanh",
+        "aten::rnn_relu",
+        "aten::scaled_dot_product_attention",
+        "aten::native_dropout",
+    }
+)
+
+
+class NotRoutable(Exception):
+    """This call cannot become a torch-calling node; the message says why."""
+
+
+class _Scalar_:  # noqa: N801 - a marker type, named after what it marks
+    """A non-tensor argument computed in the graph: it travels as a tensor, converted back."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def convert(self, tensor: torch.Tensor) -> Any:
+        value = tensor.item() if tensor.numel() == 1 else tensor.tolist()
+        if self.kind == "int":
+            return int(value)
+        if self.kind == "float":
+            return float(value)
+        if self.kind == "bool":
+            return bool(value)
+        return value
+
+
+def _onnx_type(value: Any) -> int:
+    return int(_Scalar.from_value(value, _Scalar.FLOAT).onnx_type())
+
+
+def _rank(value: Any) -> int:
+    rank = symbolic_helper._get_tensor_rank(value)
+    return -1 if rank is None else int(rank)
+
+
+def emit(
+    g: Any,
+    *,
+    label: str,
+    kind: str,
+    call: Callable[..., Any],
+    template: list[Any],
+    tensors: list[Any],
+    outputs: list[Any],
+    random: bool = False,
+    clone_inputs: bool = False,
+) -> list[Any]:
+    """One PythonOp node; returns its outputs (the context output left out).
+
+    `template` is the flat argument list with TENSOR (or a `_Scalar_` marker) where each of
+    `tensors` goes; `outputs` are the traced values whose dtype and rank the node declares.
+    """
+    bool_inputs = [_Scalar.from_value(t, _Scalar.UNDEFINED) == _Scalar.BOOL for t in tensors]
+    out_types = []
+    bool_outputs = []
+    for out in outputs:
+        scalar = _Scalar.from_value(out, _Scalar.UNDEFINED)
+        if scalar == _Scalar.UNDEFINED:
+            raise NotRoutable(f"{label}: an output has no known dtype")
+        bool_outputs.append(scalar == _Scalar.BOOL)
+        out_types.append(_Scalar.UINT8 if scalar == _Scalar.BOOL else scalar)
+    spec = torch_nodes.new_spec(
+        label,
+        kind,
+        call,
+        template,
+        bool_inputs,
+        bool_outputs,
+        random,
+        clone_inputs,
+        [s.dtype() for s in out_types],
+    )
+    values = g.op(
+        f"{torch_nodes.DOMAIN}::{torch_nodes.OP_TYPE}",
+        *tensors,
+        func_name_s=spec.name,
+        input_convention_s="d" * len(tensors),
+        input_tensor_types_i=[_onnx_type(t) for t in tensors],
+        input_tensor_ranks_i=[_rank(t) for t in tensors],
+        output_tensor_types_i=[int(s.onnx_type()) for s in out_types],
+        output_tensor_ranks_i=[_rank(o) for o in outputs],
+        training_mode_i=1,
+        safe_run_mode_i=1,
+        comment_s=label,
+        outputs=len(outputs) + 1,
+    )
+    results = []
+    for k, (value, out) in enumerate(zip(list(values)[1:], outputs, strict=True)):
+        rank = symbolic_helper._get_tensor_rank(out)
+        dtype = out_types[k].dtype()
+        # dtype and rank only: sizes seen in the trace must not reach later symbolics
+        typed = torch._C.TensorType.create_from_tensor(torch.empty((), dtype=dtype))
+        if rank is not None:
+            typed = typed.with_sizes([None] * rank)
+        value.setType(typed)
+        if bool_outputs[k]:
+            value = g.op("Cast", value, to_i=_Scalar.BOOL.onnx_type())
+        results.append(value)
+    return results
+
+
+# -- custom autograd Functions ------------------------------------------------------------------
+def autograd_function(g: Any, *args: Any, **kwargs: Any) -> Any:
+    """`prim::PythonOp`: the Function's own apply, forward and backward, inside the graph."""
+    n = g.original_node
+    function = n.pyobj().__self__
+    label = f"Function {function.__module__}.{function.__qualname__}"
+    if getattr(function, "symbolic", None) is not None:  # pragma: no cover - exporter uses it
+        raise NotRoutable(f"{label} has its own symbolic")
+    template: list[Any] = []
+    tensors: list[Any] = []
+    for arg, convention in zip(args, n.cconv(), strict=True):
+        if convention == "d":
+            template.append(TENSOR)
+            tensors.append(arg)
+            continue
+        from torch.utils import _pytree as pytree
+
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(arg)):
+            raise NotRoutable(
+                f"{label} takes a tensor inside a {type(arg).__name__} argument, which a graph "
+                "would freeze; pass tensors as direct arguments of apply()"
+            )
+        template.append(arg)
+    outputs = list(n.outputs())
+    for out in outputs:
+        if not isinstance(out.type(), torch._C.TensorType):
+            raise NotRoutable(f"{label} returns a {out.type()}, not tensors")
+    results = emit(
+        g,
+        label=label,
+        kind="function",
+        call=function.apply,
+        template=template,
+        tensors=tensors,
+        outputs=outputs,
+        random=False,
+        clone_inputs=True,
+    )
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+# -- ATen operators ----------------------------------------------------------------------------
+def _constant(value: Any) -> tuple[bool, Any]:
+    """(True, python value) when `value` is known at export time."""
+    if symbolic_helper._is_none(value):
+        return True, None
+    if not isinstance(value, torch._C.Value):
+        return True, value
+    node = value.node()
+    if node.kind() in ("onnx::Constant", "prim::Constant"):
+        if "value" not in node.attributeNames():
+            return True, None
+        found = symbolic_helper._node_get(node, "value")
+        return True, found
+    if symbolic_helper._is_packed_list(value):
+        items = [_constant(v) for v in symbolic_helper._unpack_list(value)]
+        if all(ok for ok, _ in items):
+            return True, [v for _, v in items]
+    return False, None
+
+
+def _describe(kind: Any) -> tuple[str, bool]:
+    """A schema type as (base name, is list): ("Tensor", False), ("int", True), ..."""
+    if isinstance(kind, torch._C.OptionalType):
+        kind = kind.getElementType()
+    if isinstance(kind, torch._C.ListType):
+        inner = kind.getElementType()
+        if isinstance(inner, torch._C.OptionalType):
+            inner = inner.getElementType()
+        return _base(inner), True
+    return _base(kind), False
+
+
+def _base(kind: Any) -> str:
+    if isinstance(kind, torch._C.TensorType):
+        return "Tensor"
+    text = str(kind)
+    return {"SymInt": "int", "number": "Scalar", "SymFloat": "float", "SymBool": "bool"}.get(
+        text, text
+    )
+
+
+def _python(found: Any, base: str, is_list: bool) -> Any:
+    """A constant from the trace as the Python value the operator's schema wants."""
+    if found is None:
+        return None
+    if isinstance(found, list):
+        return [_python(f, base, False) for f in found]
+    if not isinstance(found, torch.Tensor):
+        return found
+    if is_list:
+        return [_python(v, base, False) for v in found.reshape(-1)]
+    if base == "int" and str(found.dtype) == "torch.int64":
+        return int(found.item())
+    if base == "float":
+        return float(found.item())
+    if base == "bool":
+        return bool(found.item())
+    if base == "ScalarType":
+        return _Scalar(int(found.item())).dtype()
+    if base in ("int", "Scalar") and found.numel() == 1:
+        return found.item()
+    raise NotRoutable(f"a constant of type {base} cannot be rebuilt")
+
+
+def _schema_for(name: str, inputs: list[Any]) -> Any:
+    """The traced overload: the conversion passes drop node schemas, so the candidates are
+    scored by how well constants and tensors fit their arguments."""
+    best, best_score = None, -1
+    for schema in torch._C._jit_get_schemas_for_operator(name):
+        if schema.overload_name.endswith("out") or "!" in str(schema):
+            continue
+        arguments = schema.arguments
+        if len(arguments) != len(inputs):
+            continue
+        score = 0
+        for argument, value in zip(arguments, inputs, strict=True):
+            base, is_list = _describe(argument.type)
+            constant, _ = _constant(value)
+            tensor_arg = base == "Tensor" and not is_list
+            if base == "Tensor" and is_list != symbolic_helper._is_packed_list(value):
+                score = -1
+                break
+            if tensor_arg and not constant:
+                score += 2
+            elif not tensor_arg and constant:
+                score += 1
+        if score >= 0 and score > best_score:
+            best, best_score = schema, score
+    if best is None:
+        raise NotRoutable(f"{name}: no overload takes {len(inputs)} arguments")
+    return best
+
+
+def aten_symbolic(name: str) -> Callable[..., Any]:
+    """A symbolic that sends the traced `name` (e.g. "aten::cummax") to torch."""
+
+    def symbolic(g: Any, *inputs: Any, **attrs: Any) -> Any:
+        node = g.original_node
+        schema = _schema_for(node.kind(), list(inputs))
+        overload = getattr(
+            getattr(torch.ops.aten, schema.name.split("::", 1)[1]),
+            schema.overload_name or "default",
+        )
+        template: list[Any] = []
+        tensors: list[Any] = []
+        names: list[str | None] = []
+        for argument, value in zip(schema.arguments, inputs, strict=True):
+            base, is_list = _describe(argument.type)
+            names.append(argument.name if argument.kwarg_only else None)
+            if base == "Tensor" and not is_list:
+                if symbolic_helper._is_none(value):
+                    template.append(None)
+                else:
+                    template.append(TENSOR)
+                    tensors.append(value)
+                continue
+            if base == "Tensor":
+                listed: list[Any] = []
+                for item in symbolic_helper._unpack_list(value):
+                    if symbolic_helper._is_none(item):
+                        listed.append(None)
+                    else:
+                        listed.append(TENSOR)
+                        tensors.append(item)
+                template.append(listed)
+                continue
+            known, found = _constant(value)
+            if known:
+                template.append(_python(found, base, is_list))
+                continue
+            if base in ("int", "float", "bool", "Scalar") and not is_list:
+                template.append(_Scalar_(base))
+                tensors.append(value)
+                continue
+            if base == "int" and symbolic_helper._is_packed_list(value):
+                listed = []
+                for item in symbolic_helper._unpack_list(value):
+                    known_item, item_value = _constant(item)
+                    if known_item:
+                        listed.append(_python(item_value, "int", False))
+                    else:
+                        listed.append(_Scalar_("int"))
+                        tensors.append(item)
+                template.append(listed)
+                continue
+            raise NotRoutable(f"{name}: argument {argument.name} ({argument.type}) is not known")
+        positional = [n is None for n in names]
+
+        def call(*values: Any) -> Any:
+            args = [v for v, p in zip(values, positional, strict=True) if p]
+            kwargs = {n: v for v, n in zip(values, names, strict=True) if n is not None}
+            return overload(*args, **kwargs)
+
+        outputs = list(node.outputs())
+        for out in outputs:
+            if not isinstance(out.type(), torch._C.TensorType):
+                raise NotRoutable(f"{name} returns a {out.type()}, not tensors")
+        results = emit(
+            g,
+            label=name,
+            kind="aten",
+            call=call,
+            template=template,
+            tensors=tensors,
+            outputs=outputs,
+            random=name in RANDOM_OPS,
+        )
+        return results[0] if len(results) == 1 else tuple(results)
+
+    return symbolic
+
+
+#: Gradient operators ORT 1.19.2's builder emits but its CPU build has no kernel for (the
+#: session would be rejected), with the forward operator they differentiate.
+MISSING_CPU_GRADIENT_KERNELS = {"ConvTransposeGrad": "ConvTranspose", "ResizeGrad": "Resize"}
+
+
+def culprits(message: str, provenance: dict[str, set[str]]) -> set[str]:
+    """The ATen operators whose export produced the ONNX operator an ORT error names."""
+    import re
+
+    found = re.search(r"no gradient for operator (\w+)", message)
+    if found is None:
+        return set()
+    return producers(found[1], provenance)
+
+
+def producers(op_type: str, provenance: dict[str, set[str]]) -> set[str]:
+    """The ATen operators whose export produced ONNX operator `op_type`."""
+    return {name for name, made in provenance.items() if op_type in made}
+
+
+def unrunnable_gradients(gradient_model: bytes, device: torch.device) -> set[str]:
+    """Forward ONNX operators whose gradient nodes this device has no kernel for."""
+    if device.type != "cpu":
+        return set()
+    import onnx
+
+    model = onnx.load_from_string(gradient_model)
+    return {
+        MISSING_CPU_GRADIENT_KERNELS[n.op_type]
+        for n in model.graph.node
+        if n.op_type in MISSING_CPU_GRADIENT_KERNELS
+    }

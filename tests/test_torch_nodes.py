@@ -1,0 +1,725 @@
+"""Torch inside the graph: custom autograd Functions and operators ONNX Runtime cannot export or
+differentiate run as torch-calling nodes (PythonOp) inside the ORT graph, forward and backward.
+
+Every test trains through `ModuleEngine`, which raises instead of falling back, so a pass means
+the module ran in ONNX Runtime; the build records name the operators that ran through torch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ort_autopatch.engine import (
+    EngineOptions,
+    ExecutionError,
+    ExportError,
+    ModuleEngine,
+    is_exporting,
+    torch_nodes,
+)
+from tests.helpers import assert_training_parity
+
+pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.skipif(
+    torch_nodes.supported_platform() is not None, reason="torch-calling nodes need x86-64 Linux"
+)
+
+STEPS = 4
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def _gen(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(100 + step)
+
+
+def _batch(step: int) -> int:
+    return (3, 5, 2, 4)[step % 4]  # a new batch size on most calls
+
+
+def _torch_nodes(engine: ModuleEngine) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for record in engine.records:
+        found.update(record.torch_nodes)
+    return found
+
+
+# -- custom autograd Functions ----------------------------------------------------------------
+class StraightThrough(torch.autograd.Function):
+    """Rounds in forward, passes the gradient through where |x| <= 1 (a quantiser's STE)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return torch.round(x * scale) / scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() <= 1).to(grad.dtype), None
+
+
+class Quantised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(StraightThrough.apply(torch.tanh(self.a(x)) * 1.5, 4.0))
+
+
+def test_straight_through_estimator_runs_its_own_backward_in_the_graph() -> None:
+    torch.manual_seed(0)
+    run = assert_training_parity(
+        Quantised(),
+        lambda s: ((torch.randn(_batch(s), 8, generator=_gen(s)),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert _torch_nodes(run.engine) == {f"Function {__name__}.StraightThrough": 1}
+
+
+class Scaled(torch.autograd.Function):
+    """Non-tensor arguments of every kind; the gradient depends on each of them."""
+
+    @staticmethod
+    def forward(ctx, x, alpha: float, dims: tuple[int, ...], flip: bool, mode: str, w):  # type: ignore[override]
+        ctx.save_for_backward(w)
+        ctx.alpha, ctx.dims, ctx.flip, ctx.mode = alpha, dims, flip, mode
+        y = x * w * alpha
+        if flip:
+            y = torch.flip(y, dims)
+        return y if mode == "plain" else y.tanh()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (w,) = ctx.saved_tensors
+        if ctx.flip:
+            grad = torch.flip(grad, ctx.dims)
+        gx = grad * w * ctx.alpha * 3.0  # deliberately not the true derivative
+        gw = grad.sum(0) if ctx.needs_input_grad[5] else None
+        return gx, None, None, None, None, gw
+
+
+class WithArguments(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Scaled.apply(self.fc(x), 1.0 / 3.0, (1,), True, "plain", self.w)
+
+
+def test_function_with_non_tensor_arguments_keeps_them_exact() -> None:
+    torch.manual_seed(1)
+    run = assert_training_parity(
+        WithArguments(),
+        lambda s: ((torch.randn(_batch(s), 6, generator=_gen(s), requires_grad=True),), {}),
+        steps=STEPS,
+        rtol=1e-6,  # 1/3 as a float32 attribute would be off by 1e-8 relative: kept as Python
+        atol=1e-7,
+    )
+    assert list(_torch_nodes(run.engine)) == [f"Function {__name__}.Scaled"]
+
+
+class TopWithIndex(torch.autograd.Function):
+    """Two outputs, one marked non-differentiable; records what needs_input_grad said."""
+
+    seen: list[tuple[bool, ...]] = []
+
+    @staticmethod
+    def forward(ctx, x, bias):  # type: ignore[override]
+        values, index = (x + bias).max(dim=-1)
+        ctx.save_for_backward(index)
+        ctx.shape = x.shape
+        ctx.mark_non_differentiable(index)
+        if not is_exporting():  # not the export's own trace, which needs no gradient
+            TopWithIndex.seen.append(tuple(ctx.needs_input_grad))
+        return values, index
+
+    @staticmethod
+    def backward(ctx, grad_values, grad_index):  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        grad = torch.zeros(ctx.shape, dtype=grad_values.dtype)
+        grad.scatter_(-1, index.unsqueeze(-1), grad_values.unsqueeze(-1))
+        return grad, None
+
+
+class Picker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 7)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, index = TopWithIndex.apply(self.fc(x), bias)
+        return values * 2, index
+
+
+def test_function_sees_needs_input_grad_and_non_differentiable_outputs() -> None:
+    torch.manual_seed(2)
+    TopWithIndex.seen.clear()
+    assert_training_parity(
+        Picker(),
+        lambda s: ((torch.randn(_batch(s), 5, generator=_gen(s)), torch.randn(7)), {}),
+        loss_fn=lambda out: out[0].sum(),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    # eager and ORT calls alike: the bias needs no gradient, the activations do
+    assert set(TopWithIndex.seen) == {(True, False)}
+
+
+class DoubleInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * 2
+
+
+class Dirty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return DoubleInPlace.apply(h.clone()) + h  # the graph's own h must stay unchanged
+
+
+def test_function_writing_its_input_in_place_leaves_the_graph_values_alone() -> None:
+    torch.manual_seed(3)
+    assert_training_parity(
+        Dirty(),
+        lambda s: ((torch.randn(_batch(s), 4, generator=_gen(s)),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+class ReturnsShape(torch.autograd.Function):
+    """Returns a Python int beside its tensor: the int is a constant of the trace."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2, x.shape[1]
+
+    @staticmethod
+    def backward(ctx, grad, _):  # type: ignore[override]
+        return grad * 2
+
+
+class WithInt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, n = ReturnsShape.apply(self.fc(x))
+        return y * n
+
+
+def test_function_returning_a_python_value_beside_its_tensor() -> None:
+    assert_training_parity(
+        WithInt(),
+        lambda s: ((torch.randn(_batch(s), 3, generator=_gen(s), requires_grad=True),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+class FromList(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, extras):  # type: ignore[override]
+        return x + extras[0]
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class Hidden(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FromList.apply(x, [x * 2])
+
+
+def test_function_that_cannot_be_taken_names_itself_in_the_error() -> None:
+    engine = ModuleEngine(Hidden())
+    with pytest.raises(ExportError, match="FromList takes a tensor inside a list"):
+        engine(torch.randn(3, 2, requires_grad=True))
+
+
+def test_function_in_eval_and_no_grad_runs_forward_only() -> None:
+    torch.manual_seed(4)
+    model = Quantised()
+    engine = ModuleEngine(copy.deepcopy(model))
+    x = torch.randn(5, 8)
+    live = torch_nodes.live_contexts()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
+    engine_model = engine._module()
+    assert engine_model is not None
+    engine_model.eval()
+    model.eval()
+    torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
+    assert torch_nodes.live_contexts() == live  # forward-only graphs keep no torch graph
+
+
+def test_forward_without_backward_frees_the_torch_graphs() -> None:
+    engine = ModuleEngine(Cumulative())
+    live = torch_nodes.live_contexts()
+    out = engine(torch.randn(3, 6))
+    assert torch_nodes.live_contexts() == live + 2
+    del out  # never backpropagated
+    assert torch_nodes.live_contexts() == live
+
+
+def test_error_inside_a_torch_calling_node_is_reported_with_its_cause() -> None:
+    class Fails(torch.autograd.Function):
+        calls = 0
+
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            if not is_exporting():
+                raise ValueError("boom from the user's Function")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return grad
+
+    class UsesIt(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Fails.apply(x) + 1
+
+    engine = ModuleEngine(UsesIt())
+    live = torch_nodes.live_contexts()
+    with pytest.raises(ExecutionError, match="boom from the user's Function") as info:
+        engine(torch.randn(2, 2, requires_grad=True))
+    assert isinstance(info.value.__cause__, ValueError)
+    assert torch_nodes.live_contexts() == live
+
+
+# -- operators ORT cannot export or differentiate ----------------------------------------------
+class Cumulative(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cummax(h, dim=1).values + torch.cummin(h, dim=0).values
+
+
+def test_cummax_and_cummin_train_with_eager_gradients() -> None:
+    torch.manual_seed(5)
+    run = assert_training_parity(
+        Cumulative(),
+        lambda s: ((torch.randn(_batch(s), 6, generator=_gen(s)),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert _torch_nodes(run.engine) == {"aten::cummax": 1, "aten::cummin": 1}
+
+
+class Reductions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        values, _ = torch.max(h, dim=1)
+        return values + h.amin(dim=1) + torch.min(h) + torch.einsum("bi,bi->b", h, x)
+
+
+def test_max_min_reductions_and_einsum_train_with_eager_gradients() -> None:
+    torch.manual_seed(6)
+    assert_training_parity(
+        Reductions(),
+        lambda s: ((torch.randn(_batch(s), 6, generator=_gen(s), requires_grad=True),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+class Bits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        mask = (flags | 4) ^ (flags & 1)
+        return self.fc(x) * mask.to(x.dtype)
+
+
+def test_integer_bitwise_operators_run_in_the_graph() -> None:
+    torch.manual_seed(7)
+
+    def inputs(s: int):
+        b = _batch(s)
+        return (torch.randn(b, 6, generator=_gen(s)), torch.randint(0, 8, (b, 6), generator=_gen(s))), {}
+
+    run = assert_training_parity(Bits(), inputs, steps=STEPS, rtol=RTOL, atol=ATOL)
+    assert set(_torch_nodes(run.engine)) >= {"aten::__or_"}
+
+
+class Pooling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3 * 15, 4)
+        self.scale = nn.Parameter(torch.ones(3, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale
+        pooled = F.adaptive_avg_pool2d(h, (3, 5)).flatten(1)
+        return self.fc(pooled) + F.adaptive_max_pool2d(h, 2).mean()
+
+
+def test_adaptive_pooling_with_any_output_size() -> None:
+    torch.manual_seed(8)
+    sizes = [(7, 11), (9, 10), (7, 11), (8, 13)]
+    run = assert_training_parity(
+        Pooling(),
+        lambda s: ((torch.randn(2, 3, *sizes[s], generator=_gen(s), requires_grad=True),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+        expect_builds=None,
+    )
+    assert "aten::adaptive_avg_pool2d" in _torch_nodes(run.engine)
+
+
+class Classifier(nn.Module):
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.reduction = reduction
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        weight = torch.tensor([1.0, 2.0, 0.5, 1.5])
+        return F.cross_entropy(
+            self.fc(x), target, weight=weight, reduction=self.reduction, ignore_index=3
+        )
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_cross_entropy_in_every_reduction(reduction: str) -> None:
+    torch.manual_seed(9)
+
+    def inputs(s: int):
+        b = _batch(s)
+        return (torch.randn(b, 6, generator=_gen(s)), torch.randint(0, 4, (b,), generator=_gen(s))), {}
+
+    assert_training_parity(
+        Classifier(reduction),
+        inputs,
+        loss_fn=lambda out: out.sum(),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+class Resampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return (
+            F.interpolate(h, scale_factor=2, mode="nearest").mean((2, 3))
+            + F.interpolate(h, size=(5, 7), mode="bilinear", align_corners=False).mean((2, 3))
+            + F.interpolate(h, scale_factor=1.5, mode="bicubic", align_corners=True).mean((2, 3))
+        )
+
+
+def test_interpolate_nearest_bilinear_bicubic_train_in_the_graph() -> None:
+    torch.manual_seed(10)
+    run = assert_training_parity(
+        Resampler(),
+        lambda s: ((torch.randn(_batch(s), 2, 4 + s, 6, generator=_gen(s)),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert {"aten::upsample_nearest2d", "aten::upsample_bilinear2d"} <= set(
+        _torch_nodes(run.engine)
+    )
+
+
+# -- models ------------------------------------------------------------------------------------
+class UNet(nn.Module):
+    """Two levels: GroupNorm blocks, a strided down path, ConvTranspose and Upsample up paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.SiLU()
+            )
+
+        self.enc1 = block(3, 8)
+        self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.enc2 = block(16, 16)
+        self.up_t = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.up_i = nn.Upsample(scale_factor=2, mode="nearest")
+        self.squeeze = nn.Conv2d(16, 8, 1)
+        self.dec = block(24, 8)
+        self.norm = nn.InstanceNorm2d(8, affine=True)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.down(e1))
+        up = torch.cat([self.up_t(e2), self.squeeze(self.up_i(e2)), e1], dim=1)
+        return self.out(self.norm(self.dec(up)))
+
+
+def test_small_unet_with_groupnorm_convtranspose_upsample() -> None:
+    torch.manual_seed(11)
+    sizes = [8, 12, 8, 16]
+    run = assert_training_parity(
+        UNet(),
+        lambda s: ((torch.randn(2, 3, sizes[s], sizes[s], generator=_gen(s)),), {}),
+        steps=STEPS,
+        optimizer="adamw",
+        lr=1e-3,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert _torch_nodes(run.engine)  # ConvTranspose and Resize have no CPU gradient kernels
+
+
+class DCGANGenerator(nn.Module):
+    def __init__(self, nz: int = 8, ngf: int = 4) -> None:
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.ConvTranspose2d(nz, ngf * 4, 4, 1, 0, bias=False),
+            nn.BatchNorm2d(ngf * 4),
+            nn.ReLU(True),
+            nn.ConvTranspose2d(ngf * 4, ngf * 2, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ngf * 2),
+            nn.ReLU(True),
+            nn.ConvTranspose2d(ngf * 2, 3, 4, 2, 1, bias=False),
+            nn.Tanh(),
+        )
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.main(z)
+
+
+def test_dcgan_generator() -> None:
+    torch.manual_seed(12)
+    run = assert_training_parity(
+        DCGANGenerator(),
+        lambda s: ((torch.randn(_batch(s) + 1, 8, 1, 1, generator=_gen(s)),), {}),
+        steps=STEPS,
+        optimizer="adamw",
+        lr=1e-3,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert _torch_nodes(run.engine)
+
+
+class RNNLanguageModel(nn.Module):
+    def __init__(self, vocab: int = 20) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.rnn = nn.RNN(8, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.rnn(self.embed(tokens))
+        logits = self.head(hidden)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def test_rnn_language_model() -> None:
+    torch.manual_seed(13)
+    lengths = [5, 7, 4, 6]
+    run = assert_training_parity(
+        RNNLanguageModel(),
+        lambda s: ((torch.randint(0, 20, (_batch(s), lengths[s]), generator=_gen(s)),), {}),
+        loss_fn=lambda loss: loss,
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert "aten::rnn_tanh" in _torch_nodes(run.engine)
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 10, num_layers=2, dropout=0.2, batch_first=True)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
+def _train_steps(model: nn.Module, engine: ModuleEngine, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    outputs = []
+    for s in range(3):
+        x = torch.randn(_batch(s), 5, 6, generator=_gen(s))
+        out = engine(x)
+        out.square().mean().backward()
+        outputs.append(out.detach())
+    return outputs
+
+
+def test_two_layer_lstm_with_dropout_in_training() -> None:
+    torch.manual_seed(14)
+    model = LSTMTagger()
+    engine = ModuleEngine(copy.deepcopy(model))
+    first = _train_steps(model, engine, seed=5)
+    assert "aten::lstm" in _torch_nodes(engine)
+    # dropout is active: training differs from a dropout-free pass, and is reproducible
+    engine_model = engine._module()
+    assert engine_model is not None
+    grads = [p.grad.clone() for p in engine_model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    other = _train_steps(model, ModuleEngine(copy.deepcopy(model)), seed=6)
+    again = _train_steps(model, ModuleEngine(copy.deepcopy(model)), seed=5)
+    for a, b, c in zip(first, again, other, strict=True):
+        torch.testing.assert_close(a, b)  # torch.manual_seed(5) gives the same masks
+        assert not torch.equal(a, c)
+    model.eval()
+    engine_model.eval()
+    x = torch.randn(3, 5, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
+    no_dropout = copy.deepcopy(model)
+    no_dropout.lstm.dropout = 0.0
+    no_dropout.train()
+    engine_model.train()
+    assert not torch.allclose(engine(x), no_dropout(x))
+
+
+class FeatureDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 64, 1)
+        self.drop = nn.Dropout2d(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.conv(x))
+
+
+def test_dropout2d_drops_whole_channels_with_eager_statistics() -> None:
+    torch.manual_seed(15)
+    model = FeatureDropout()
+    engine = ModuleEngine(model)
+    x = torch.randn(16, 3, 4, 4)
+    before = torch.random.get_rng_state()
+    out = engine(x)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the user's stream is untouched
+    out.sum().backward()
+    assert "aten::feature_dropout" in _torch_nodes(engine)
+    with torch.no_grad():
+        kept = model.conv(x) / 0.75
+    zero_channels = (out.detach().abs().sum((2, 3)) == 0).float().mean().item()
+    assert 0.15 < zero_channels < 0.35
+    live = out.detach().abs().sum((2, 3)) != 0
+    torch.testing.assert_close(out.detach()[live], kept[live], rtol=RTOL, atol=ATOL)
+    # the gradient flows through kept channels only, scaled like the forward
+    grad = model.conv.bias.grad
+    assert grad is not None and torch.isfinite(grad).all()
+    torch.manual_seed(21)
+    first = ModuleEngine(copy.deepcopy(model))(x)
+    torch.manual_seed(22)
+    other = ModuleEngine(copy.deepcopy(model))(x)
+    torch.manual_seed(21)
+    assert torch.equal(ModuleEngine(copy.deepcopy(model))(x), first)
+    assert not torch.equal(other, first)
+
+
+class Sampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = self.fc(x).softmax(-1)
+        picks = torch.multinomial(probs[0], 3)
+        return probs.gather(1, picks.expand(x.shape[0], 3)).sum(), picks
+
+
+def test_multinomial_is_seeded_from_the_tools_generator() -> None:
+    torch.manual_seed(16)
+    model = Sampler()
+    x = torch.randn(4, 5)
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    loss, picks = ModuleEngine(copy.deepcopy(model))(x)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    loss.backward()
+    assert picks.shape == (3,) and picks.unique().numel() == 3
+    torch.manual_seed(4)
+    ModuleEngine(copy.deepcopy(model))(x)
+    torch.manual_seed(3)
+    _, again = ModuleEngine(copy.deepcopy(model))(x)
+    assert torch.equal(picks, again)  # the same seed gives the same draws
+
+
+# -- visibility ----------------------------------------------------------------------------------
+def test_saved_graphs_show_the_torch_calling_nodes(tmp_path) -> None:
+    torch.manual_seed(17)
+    engine = ModuleEngine(Cumulative(), EngineOptions(save_onnx=tmp_path))
+    engine(torch.randn(3, 6)).sum().backward()
+    saved = sorted(tmp_path.glob("*.onnx"))
+    assert saved
+    forward = onnx.load(str(next(p for p in saved if not p.name.endswith(".gradient.onnx"))))
+    comments = {
+        a.s.decode()
+        for n in forward.graph.node
+        if n.op_type == "PythonOp"
+        for a in n.attribute
+        if a.name == "comment"
+    }
+    assert comments == {"aten::cummax", "aten::cummin"}
+    gradient = onnx.load(str(next(p for p in saved if p.name.endswith(".gradient.onnx"))))
+    assert sum(n.op_type == "PythonOpGrad" for n in gradient.graph.node) == 2
+
+
+def test_denied_operator_is_not_routed_and_says_how_to_allow_it() -> None:
+    engine = ModuleEngine(Cumulative(), EngineOptions(no_torch_ops=frozenset({"aten::cummax"})))
+    with pytest.raises(ExportError, match="aten::cummax"):
+        engine(torch.randn(3, 6))
+
+
+def test_always_routed_operator_runs_in_torch_even_when_ort_could() -> None:
+    torch.manual_seed(18)
+    run = assert_training_parity(
+        Quantised(),
+        lambda s: ((torch.randn(_batch(s), 8, generator=_gen(s)),), {}),
+        steps=2,
+        rtol=RTOL,
+        atol=ATOL,
+        options=EngineOptions(torch_ops=frozenset({"aten::tanh"})),
+    )
+    assert _torch_nodes(run.engine)["aten::tanh"] == 1

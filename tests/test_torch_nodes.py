@@ -376,7 +376,10 @@ def test_integer_bitwise_operators_run_in_the_graph() -> None:
 
     def inputs(s: int):
         b = _batch(s)
-        return (torch.randn(b, 6, generator=_gen(s)), torch.randint(0, 8, (b, 6), generator=_gen(s))), {}
+        return (
+            torch.randn(b, 6, generator=_gen(s)),
+            torch.randint(0, 8, (b, 6), generator=_gen(s)),
+        ), {}
 
     run = assert_training_parity(Bits(), inputs, steps=STEPS, rtol=RTOL, atol=ATOL)
     assert set(_torch_nodes(run.engine)) >= {"aten::__or_"}
@@ -427,7 +430,10 @@ def test_cross_entropy_in_every_reduction(reduction: str) -> None:
 
     def inputs(s: int):
         b = _batch(s)
-        return (torch.randn(b, 6, generator=_gen(s)), torch.randint(0, 4, (b,), generator=_gen(s))), {}
+        return (
+            torch.randn(b, 6, generator=_gen(s)),
+            torch.randint(0, 4, (b,), generator=_gen(s)),
+        ), {}
 
     assert_training_parity(
         Classifier(reduction),
@@ -553,7 +559,9 @@ class RNNLanguageModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.rnn(self.embed(tokens))
         logits = self.head(hidden)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
 
 
 def test_rnn_language_model() -> None:

@@ -195,8 +195,14 @@ def _watching_conversions(record: _Conversions) -> Iterator[None]:
     original = utils._run_symbolic_function
 
     def watched(
-        graph: Any, block: Any, node: Any, inputs: Any, env: Any, values_in_env: Any,
-        new_nodes: Any, *rest: Any,
+        graph: Any,
+        block: Any,
+        node: Any,
+        inputs: Any,
+        env: Any,
+        values_in_env: Any,
+        new_nodes: Any,
+        *rest: Any,
     ) -> Any:
         start = len(new_nodes)
         try:
@@ -216,7 +222,7 @@ def _watching_conversions(record: _Conversions) -> Iterator[None]:
     try:
         yield
     finally:
-        utils._run_symbolic_function = original  # type: ignore[assignment]
+        utils._run_symbolic_function = original
 
 
 PARAM_PREFIX = "m."

@@ -134,7 +134,7 @@ class Context:
     second one, which `release` drops for forwards whose backward never comes.
     """
 
-    __slots__ = ("__weakref__", "leaves", "outputs", "input_meta", "spec")
+    __slots__ = ("__weakref__", "input_meta", "leaves", "outputs", "spec")
 
     def __init__(
         self,
@@ -469,7 +469,7 @@ def _runner(forward: bool) -> Any:
             else:
                 ctx = values[0]
                 results = run_backward(ctx, values[1:])
-        except BaseException as exc:  # noqa: BLE001 - must never unwind into C++
+        except BaseException as exc:
             _errors.value = exc
             log.debug("torch-calling node failed", exc_info=True)
             results = []  # ORT then fails the run with its own message

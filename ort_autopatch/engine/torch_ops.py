@@ -51,14 +51,14 @@ class NotRoutable(Exception):
     """This call cannot become a torch-calling node; the message says why."""
 
 
-class _Scalar_:  # noqa: N801 - a marker type, named after what it marks
+class _Scalar_:
     """A non-tensor argument computed in the graph: it travels as a tensor, converted back."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
     def convert(self, tensor: torch.Tensor) -> Any:
-        value = tensor.item() if tensor.numel() == 1 else tensor.tolist()
+        value: Any = tensor.item() if tensor.numel() == 1 else tensor.tolist()
         if self.kind == "int":
             return int(value)
         if self.kind == "float":
@@ -69,7 +69,12 @@ class _Scalar_:  # noqa: N801 - a marker type, named after what it marks
 
 
 def _onnx_type(value: Any) -> int:
-    return int(_Scalar.from_value(value, _Scalar.FLOAT).onnx_type())
+    return _type_code(_Scalar.from_value(value, _Scalar.FLOAT))
+
+
+def _type_code(scalar: Any) -> int:
+    code: Any = scalar.onnx_type()
+    return int(code)
 
 
 def _rank(value: Any) -> int:
@@ -121,7 +126,7 @@ def emit(
         input_convention_s="d" * len(tensors),
         input_tensor_types_i=[_onnx_type(t) for t in tensors],
         input_tensor_ranks_i=[_rank(t) for t in tensors],
-        output_tensor_types_i=[int(s.onnx_type()) for s in out_types],
+        output_tensor_types_i=[_type_code(s) for s in out_types],
         output_tensor_ranks_i=[_rank(o) for o in outputs],
         training_mode_i=1,
         safe_run_mode_i=1,

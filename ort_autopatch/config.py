@@ -154,6 +154,36 @@ class Patterns(Kind):
         return ",".join(value)
 
 
+class Operators(Kind):
+    type_name = "a string or a list of strings"
+    accepted = (
+        "a comma list of ATen operator names as the report shows them (e.g. "
+        "'aten::einsum,aten::cummax'; 'aten::' may be left out; fnmatch wildcards allowed)"
+    )
+    metavar = "OPS"
+    repeatable = True
+    empty_allowed = True
+
+    def parse(self, text: str, where: str) -> tuple[str, ...]:
+        if not text.strip():
+            return ()
+        found = []
+        for entry in (part.strip() for part in text.split(",")):
+            if not entry or any(ch.isspace() for ch in entry):
+                raise ConfigError(where, text, f"bad operator name {entry!r}", self.accepted)
+            name = entry if "::" in entry else f"aten::{entry}"
+            if not name.startswith("aten::"):
+                raise ConfigError(where, text, f"{entry!r} is not an ATen operator", self.accepted)
+            found.append(name)
+        return tuple(found)
+
+    def from_python(self, raw: object) -> tuple[bool, object]:
+        return False, ",".join(raw) if _is_str_sequence(raw) else raw  # type: ignore[arg-type]
+
+    def text(self, value: Any) -> str:
+        return ",".join(value)
+
+
 class Policy(Kind):
     type_name = "a string or a list of names"
     metavar = "NAMES"
@@ -394,6 +424,25 @@ class Config:
         kind=Switch(),
         help="accelerate even on a torch version this tool is not tested with (it runs the "
         "script in PyTorch otherwise)",
+    )
+    torch_ops: tuple[str, ...] = option(
+        (),
+        env="ORT_AUTOPATCH_TORCH_OPS",
+        flag="--torch-ops",
+        kind=Operators(),
+        engine=True,
+        help="ATen operators that always run as torch-calling nodes inside the graph (e.g. "
+        "aten::scaled_dot_product_attention for torch's fused attention); repeatable",
+    )
+    no_torch_ops: tuple[str, ...] = option(
+        (),
+        env="ORT_AUTOPATCH_NO_TORCH_OPS",
+        flag="--no-torch-ops",
+        kind=Operators(),
+        engine=True,
+        help="ATen operators never run as torch-calling nodes, even when ONNX Runtime cannot "
+        "export or differentiate them (the class then runs in PyTorch); 'aten::*' for all; "
+        "repeatable",
     )
 
     def to_env(self) -> dict[str, str]:

@@ -582,6 +582,8 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         threads=2,
         cache_size=3,
         untested_torch=True,
+        torch_ops=("aten::einsum",),
+        no_torch_ops=("aten::cumm*", "aten::lstm"),
     )
     flags: list[str] = []
     for opt in OPTIONS:
@@ -607,3 +609,17 @@ def test_readme_option_table_matches_the_declarations() -> None:
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
     block = readme.split("<!-- options:begin -->\n")[1].split("\n<!-- options:end -->")[0]
     assert block == markdown_table(), "run: python tools/readme_options.py"
+
+
+def test_operator_lists_take_names_with_or_without_the_aten_prefix(
+    empty_dir: pathlib.Path,
+) -> None:
+    config = load_config(environ={"ORT_AUTOPATCH_TORCH_OPS": "einsum, aten::cummax"}, cwd=empty_dir)
+    assert config.torch_ops == ("aten::einsum", "aten::cummax")
+
+
+def test_an_operator_outside_aten_is_refused_with_what_is_accepted(
+    empty_dir: pathlib.Path,
+) -> None:
+    with pytest.raises(ConfigError, match="ORT_AUTOPATCH_NO_TORCH_OPS.*not an ATen operator"):
+        load_config(environ={"ORT_AUTOPATCH_NO_TORCH_OPS": "prim::PythonOp"}, cwd=empty_dir)

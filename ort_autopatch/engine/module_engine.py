@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import logging
 import sys
@@ -10,7 +11,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,9 +51,10 @@ class EngineOptions:
     cache_dir: Path | None = None  # persistent graph cache
     save_onnx: Path | None = None  # folder to write exported and gradient graphs
     # ATen operators ("aten::einsum") that always run as torch-calling nodes, and those that
-    # never do; any other operator becomes one only when ORT cannot export or differentiate it.
-    torch_ops: frozenset[str] = frozenset()
-    no_torch_ops: frozenset[str] = frozenset()
+    # never do (fnmatch patterns); any other operator becomes one only when ORT cannot export
+    # or differentiate it.
+    torch_ops: tuple[str, ...] = ()
+    no_torch_ops: tuple[str, ...] = ()
 
 
 class Guards(Protocol):
@@ -374,7 +376,7 @@ class ModuleEngine:
             return recipe, exported.seconds
 
     def _may_route(self, name: str) -> bool:
-        return name not in self.options.no_torch_ops
+        return not any(fnmatch.fnmatchcase(name, p) for p in self.options.no_torch_ops)
 
     def _routed_recipe(
         self,

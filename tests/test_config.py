@@ -621,5 +621,5 @@ def test_operator_lists_take_names_with_or_without_the_aten_prefix(
 def test_an_operator_outside_aten_is_refused_with_what_is_accepted(
     empty_dir: pathlib.Path,
 ) -> None:
-    with pytest.raises(ConfigError, match="ORT_AUTOPATCH_NO_TORCH_OPS.*not an ATen operator"):
+    with pytest.raises(ConfigError, match=r"ORT_AUTOPATCH_NO_TORCH_OPS.*not an ATen operator"):
         load_config(environ={"ORT_AUTOPATCH_NO_TORCH_OPS": "prim::PythonOp"}, cwd=empty_dir)

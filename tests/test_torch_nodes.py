@@ -731,3 +731,36 @@ def test_always_routed_operator_runs_in_torch_even_when_ort_could() -> None:
         options=EngineOptions(torch_ops=("aten::tanh",)),
     )
     assert _torch_nodes(run.engine)["aten::tanh"] == 1
+
+
+def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:
+    """ORT's function pool holds Python objects in C++ statics; they are released at exit
+    while the interpreter still lives (a crash at teardown otherwise)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from ort_autopatch.engine import ModuleEngine
+
+            class Net(torch.nn.Module):
+                def forward(self, x):
+                    return torch.cummax(x, 1).values
+
+            engine = ModuleEngine(Net())
+            x = torch.randn(3, 4, requires_grad=True)
+            engine(x).sum().backward()
+            engine(x)  # a forward whose backward never comes
+            print("done")
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "done"

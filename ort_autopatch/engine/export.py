@@ -24,6 +24,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -175,11 +176,32 @@ MAX_ROUTED_RETRIES = 16
 
 @dataclass
 class _Conversions:
-    """What the exporter converted: the operator being converted when it failed, and the ONNX
-    operator types each ATen operator produced."""
+    """What the exporter converted: the ONNX operator types each ATen operator produced."""
 
-    failed: str | None = None
     provenance: dict[str, set[str]] = field(default_factory=dict)
+
+
+def _failed_operator(exc: BaseException) -> str | None:
+    """The ATen operator the exporter was converting when it failed (innermost first)."""
+    from torch.onnx._internal.torchscript_exporter import utils
+
+    code = utils._run_symbolic_function.__code__
+    found = None
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                node = tb.tb_frame.f_locals.get("node")
+                if node is not None:
+                    found = node.kind()
+            tb = tb.tb_next
+        if found is not None:
+            return found
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def operator_name(kind: str) -> str:
@@ -194,23 +216,13 @@ def _watching_conversions(record: _Conversions) -> Iterator[None]:
 
     original = utils._run_symbolic_function
 
-    def watched(
-        graph: Any,
-        block: Any,
-        node: Any,
-        inputs: Any,
-        env: Any,
-        values_in_env: Any,
-        new_nodes: Any,
-        *rest: Any,
-    ) -> Any:
+    # No exception handling in here: a frame of ours re-raising the exporter's error made
+    # the interpreter crash at exit (it holds the exporter's graph objects); the failing node
+    # is read from the traceback instead (`_failed_operator`).
+    def watched(*args: Any) -> Any:
+        new_nodes, node = args[6], args[2]
         start = len(new_nodes)
-        try:
-            result = original(graph, block, node, inputs, env, values_in_env, new_nodes, *rest)
-        except Exception:
-            if record.failed is None:
-                record.failed = node.kind()
-            raise
+        result = original(*args)
         kind = node.kind()
         if kind.startswith("aten::"):
             made = record.provenance.setdefault(operator_name(kind), set())
@@ -314,7 +326,10 @@ def _export_once(
     except UnsupportedModelError:
         raise
     except Exception as exc:
-        failed = conversions.failed
+        failed = _failed_operator(exc)
+        # The traceback's frames hold the exporter's TorchScript graph and nodes; an error kept
+        # for a report would keep them alive past torch's own teardown.
+        traceback.clear_frames(exc.__traceback__)
         if failed is not None and failed.startswith("aten::"):
             name = operator_name(failed)
             raise UnexportableOperator(

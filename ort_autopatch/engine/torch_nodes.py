@@ -20,6 +20,7 @@ semantics, and an ATen operator gets torch's own derivative.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import itertools
@@ -509,6 +510,9 @@ def ensure_runners() -> None:
         capi.register_forward_runner(ctypes.cast(forward, ctypes.c_void_p).value)
         capi.register_backward_runner(ctypes.cast(backward, ctypes.c_void_p).value)
         _runners = (forward, backward)  # the callbacks must outlive every session
+        # ORT's function pool holds Python objects in C++ statics; released after the
+        # interpreter is gone they crash the process at exit. Release them while it lives.
+        atexit.register(capi.unregister_python_functions)
 
 
 @dataclass

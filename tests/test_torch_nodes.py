@@ -764,3 +764,30 @@ def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "done"
+
+
+class ReportedCumulative(Cumulative):
+    pass
+
+
+def test_report_says_per_class_which_operators_ran_through_torch() -> None:
+    from ort_autopatch import patcher, report
+
+    report.reset()
+    patcher.patch(ReportedCumulative)
+    try:
+        model = ReportedCumulative()
+        model(torch.randn(3, 6)).sum().backward()
+        model(torch.randn(4, 6)).sum().backward()
+        name = f"{__name__}:ReportedCumulative"
+        entry = report.snapshot()[name]
+        assert entry["ort_calls"] == 2 and entry["eager_calls"] == 0
+        assert entry["torch_nodes"] == {
+            "count": 2,
+            "operators": {"aten::cummax": 1, "aten::cummin": 1},
+        }
+        text = report.summary({"classes": {name: entry}})
+        assert "torch-calling nodes: 2 (aten::cummax x1, aten::cummin x1)" in text
+    finally:
+        patcher.unpatch(ReportedCumulative)
+        report.reset()

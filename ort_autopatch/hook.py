@@ -270,6 +270,9 @@ class ImportHook:
             if self.selector.matches(module_name, qualname) or (
                 any(getattr(base, PATCHED_MARKER, False) for base in cls.__bases__)
                 and not self.selector.excluded(module_name, qualname)
+                # torch's own dynamic subclasses (FSDP2's FSDPBlock for Block) inherit the
+                # patch and count for the class the user selected
+                and not module_name.startswith("torch.")
             ):
                 self._deliver(cls)
         except Exception:

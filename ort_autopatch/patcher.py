@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch import report
+from ort_autopatch import distributed, report
 from ort_autopatch.config import BY_NAME, Config
 from ort_autopatch.engine import (
     EngineError,
@@ -218,11 +218,20 @@ def _new_instance(module: torch.nn.Module) -> _Instance:
     with _lock:
         instance = _instances.get(module)
         if instance is None:
-            instance = _Instance(type(module))
+            instance = _Instance(_patched_class(type(module)))
             _instances[module] = instance
             with instance.stats.lock:
                 instance.stats.instances += 1
     return instance
+
+
+def _patched_class(cls: type) -> type:
+    """The selected class a call belongs to: FSDP2's `fully_shard` swaps an instance to a
+    dynamic subclass (`FSDPBlock`), whose calls count for `Block`."""
+    for klass in cls.__mro__:
+        if klass in _patched:
+            return klass
+    return cls
 
 
 class _Instance:
@@ -267,9 +276,15 @@ class _Instance:
                     "every step; wrap it in DistributedDataParallel to train through ORT",
                     self.name,
                 )
+            elif (self.name, reason) not in _warned and reason.startswith("FSDP"):
+                _warned.add((self.name, reason))
+                log.warning("%s runs in PyTorch: %s", self.name, reason)
             return eager(module, *args, **kwargs)
         hooked = bool(module._forward_pre_hooks or module._forward_hooks)
         if hooked:
+            # FSDP2's pre-forward hook gathers the full parameters here; its post-forward hook
+            # (below) frees them, and the backward hooks it puts on inputs and outputs fire
+            # around ORT's backward as around eager autograd.
             args, kwargs = run_pre_hooks(module, args, kwargs)
         try:
             output = engine.run(
@@ -277,12 +292,14 @@ class _Instance:
                 kwargs,
                 trust_last=skips(settings.skip_check, SkipCheck.SKIP_CHECK_BUILD_GRADIENT),
                 check_devices=not skips(settings.skip_check, SkipCheck.SKIP_CHECK_DEVICE),
+                recompute=torch.is_grad_enabled()
+                and distributed.frees_parameters_after_forward(module),
             )
         except Exception as exc:
             self._account_builds(engine)
             if not _falls_back(settings.fallback, exc):
                 raise
-            self._fallback(exc)
+            self._fallback(exc, distributed.mixed_precision(module))
             output = (
                 eager(module, *args, **kwargs)
                 if not hooked
@@ -296,11 +313,13 @@ class _Instance:
             output = run_post_hooks(module, args, kwargs, output)
         return output
 
-    def _fallback(self, exc: Exception) -> None:
+    def _fallback(self, exc: Exception, context: str | None = None) -> None:
         if isinstance(exc, EngineError):
             reason, cause, remedy = exc.reason, exc.cause, exc.remedy
         else:
             reason, cause, remedy = "unexpected error", f"{type(exc).__name__}: {exc}", ""
+        if context is not None:  # e.g. the FSDP2 mixed-precision policy that made the dtypes
+            reason = f"{reason} under {context}"
         with self.stats.lock:
             self.stats.fallbacks[(reason, cause)] += 1
             self.stats.eager_calls[f"fallback: {reason}"] += 1
@@ -363,8 +382,10 @@ class _Instance:
         if engine is None or name == "training":
             return
         if name in module._parameters or name in module._buffers or name in module._modules:
-            engine.note_build_reason(f"{name} replaced")
-        elif (id(module.__dict__), name) not in self._guard_set:
+            # The engine's structure check sees (and names) a replacement on the next call; a
+            # note here would outlive FSDP2's swaps to the sharded parameter and back.
+            return
+        if (id(module.__dict__), name) not in self._guard_set:
             with self.stats.lock:
                 self.stats.ignored_writes += 1
 
@@ -450,6 +471,16 @@ def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
         or module._backward_pre_hooks
     ):
         return "backward or global hooks"
+    reason = distributed.fsdp1_reason(module)
+    if reason is not None:
+        return reason
     if engine.submodule_hooks():
+        sharded = distributed.sharded_submodules(module)
+        if sharded:
+            return (
+                f"FSDP2 fully_shard on submodules ({', '.join(sharded[:3])}"
+                f"{', ...' if len(sharded) > 3 else ''}): their hooks gather and free parameters "
+                "inside this forward, which one graph cannot do; select the sharded classes"
+            )
         return "hooks on submodules"
     return None

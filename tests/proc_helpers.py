@@ -48,3 +48,15 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def torchrun() -> list[str]:
+    """torchrun from this Python's environment."""
+    script = pathlib.Path(sys.executable).with_name("torchrun")
+    return [str(script)] if script.exists() else [PY, "-m", "torch.distributed.run"]
+
+
+def rendezvous(nproc: int = 2) -> list[str]:
+    """torchrun options for `nproc` local ranks on a free port."""
+    port = str(free_port())
+    return ["--nproc_per_node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", port]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-from tests.proc_helpers import LAUNCHER, PY, REPO, free_port, run
+from tests.proc_helpers import LAUNCHER, REPO, rendezvous, run, torchrun
 
 SCRIPT = REPO / "examples" / "train_ddp.py"
 STEPS, GLOBAL_BATCH, LR = 5, 32, 0.1
@@ -40,22 +39,6 @@ def _eager_reference() -> dict[str, torch.Tensor]:
         loss.backward()
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def _torchrun() -> list[str]:
-    script = pathlib.Path(sys.executable).with_name("torchrun")
-    return [str(script)] if script.exists() else [PY, "-m", "torch.distributed.run"]
-
-
-def _rdzv() -> list[str]:
-    return [
-        "--nproc_per_node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-    ]
 
 
 def _check_run(out: pathlib.Path, stderr: str) -> None:
@@ -90,9 +73,10 @@ def test_ddp_two_ranks_through_ort(tmp_path: pathlib.Path, form: str) -> None:
     report = ["--report", str(tmp_path / "report-{rank}.json")]
     args = [str(SCRIPT), *SCRIPT_ARGS, "--out", str(tmp_path)]
     if form.startswith("torchrun"):
-        command = [*_torchrun(), *_rdzv(), "-m", "ort_autopatch", *OPTIONS, *report, *args]
+        command = [*torchrun(), *rendezvous(), "-m", "ort_autopatch", *OPTIONS, *report, *args]
     else:
-        command = [*LAUNCHER, *OPTIONS, *report, "-m", "torch.distributed.run", *_rdzv(), *args]
+        torchrun_module = ["-m", "torch.distributed.run", *rendezvous()]
+        command = [*LAUNCHER, *OPTIONS, *report, *torchrun_module, *args]
     result = run(command, cwd=tmp_path, timeout=150, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step")] == [

@@ -3,8 +3,10 @@ PyTorch's autograd."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,11 +81,12 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _seed_dropout() -> None:
+def _seed_dropout() -> int:
     """Seed ORT's generator from torch's, so torch.manual_seed makes dropout reproducible."""
     _, capi = runtime.load()
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     capi.set_seed(seed)
+    return seed
 
 
 def _tensors(vector: Any) -> list[torch.Tensor]:
@@ -143,6 +146,68 @@ def _failure(step: Step, phase: str, exc: BaseException) -> ExecutionError:
     return ExecutionError(step.module_class, cause, "Run eagerly")
 
 
+def _run_forward(
+    program: TrainingProgram, step: Step, feeds: Sequence[torch.Tensor]
+) -> tuple[Any, list[torch.Tensor], list[torch_nodes.Context]]:
+    """ORT's forward: its execution state (what backward needs), every output, and the contexts
+    of its torch-calling nodes (their torch graphs, kept for backward)."""
+    _, capi = runtime.load()
+    state = capi.PartialGraphExecutionState()
+    outputs_vector = capi.OrtValueVector()
+    try:
+        with torch_nodes.collecting() as contexts:
+            program.agent.run_forward(_push(feeds), outputs_vector, state, None)
+    except Exception as exc:
+        torch_nodes.release(contexts)
+        raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
+    return state, _tensors(outputs_vector), contexts
+
+
+def _run_backward(
+    program: TrainingProgram,
+    step: Step,
+    run: _RunState,
+    grad_outputs: Sequence[torch.Tensor | None],
+) -> tuple[torch.Tensor | None, ...]:
+    """ORT's backward from the state of its forward: one gradient (or None) per feed."""
+    grads = []
+    for k in range(program.num_outputs):
+        if k in program.non_differentiable:
+            continue
+        grad = grad_outputs[k] if k < len(grad_outputs) else None
+        if grad is None:
+            shape, device, dtype = run.output_info[k]
+            if k in program.full_shape_grads:
+                grad = torch.zeros(shape, device=device, dtype=dtype)
+            else:
+                grad = torch.zeros((), device=device, dtype=dtype)
+        grads.append(grad)
+    _, capi = runtime.load()
+    results = capi.OrtValueVector()
+    try:
+        program.agent.run_backward(_push(grads), results, run.state)
+    except Exception as exc:
+        raise _failure(step, "backward", exc) from torch_nodes.take_error() or exc
+    finally:
+        run.state = None
+    tensors = _tensors(results)
+    return tuple(tensors[i] if i >= 0 else None for i in program.grad_index)
+
+
+def _user_outputs(
+    ctx: Any, program: TrainingProgram, step: Step, outputs: list[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    user = _post_forward(step, outputs)
+    for k, out in enumerate(user):
+        if k in program.non_differentiable or not out.is_floating_point():
+            ctx.mark_non_differentiable(out)
+    return tuple(user)
+
+
+def _output_info(outputs: list[torch.Tensor]) -> list[tuple[torch.Size, torch.device, torch.dtype]]:
+    return [(o.shape, o.device, o.dtype) for o in outputs]
+
+
 class TrainingCall(torch.autograd.Function):
     """Forward and backward of one graph; the feeds are the Function's inputs so autograd
     routes each gradient to its parameter or input."""
@@ -155,21 +220,12 @@ class TrainingCall(torch.autograd.Function):
         saved: tuple[int, ...],
         *feeds: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        _, capi = runtime.load()
         if step.seeds_dropout:
             _seed_dropout()
-        state = capi.PartialGraphExecutionState()
-        outputs_vector = capi.OrtValueVector()
-        try:
-            with torch_nodes.collecting() as contexts:
-                program.agent.run_forward(_push(feeds), outputs_vector, state, None)
-        except Exception as exc:
-            torch_nodes.release(contexts)
-            raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
-        outputs = _tensors(outputs_vector)
+        state, outputs, contexts = _run_forward(program, step, feeds)
         ctx.program = program
         ctx.step = step
-        ctx.run = _RunState(state, [(o.shape, o.device, o.dtype) for o in outputs])
+        ctx.run = _RunState(state, _output_info(outputs))
         if contexts:
             # torch-calling nodes keep their torch graph until backward; free it with the run
             # when backward never comes (an output nobody backpropagates)
@@ -178,38 +234,81 @@ class TrainingCall(torch.autograd.Function):
         # Saved only for autograd's version check: an in-place write to a parameter between
         # forward and backward raises as in eager instead of silently using the new values.
         ctx.save_for_backward(*(feeds[k] for k in saved))
-        user = _post_forward(step, outputs)
-        for k, out in enumerate(user):
-            if k in program.non_differentiable or not out.is_floating_point():
-                ctx.mark_non_differentiable(out)
-        return tuple(user)
+        return _user_outputs(ctx, program, step, outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        program: TrainingProgram = ctx.program
-        step: Step = ctx.step
-        run: _RunState = ctx.run
         _ = ctx.saved_tensors
-        grads = []
-        for k in range(program.num_outputs):
-            if k in program.non_differentiable:
-                continue
-            grad = grad_outputs[k] if k < len(grad_outputs) else None
-            if grad is None:
-                shape, device, dtype = run.output_info[k]
-                if k in program.full_shape_grads:
-                    grad = torch.zeros(shape, device=device, dtype=dtype)
-                else:
-                    grad = torch.zeros((), device=device, dtype=dtype)
-            grads.append(grad)
-        _, capi = runtime.load()
-        results = capi.OrtValueVector()
+        return (None, None, None, *_run_backward(ctx.program, ctx.step, ctx.run, grad_outputs))
+
+
+class RecomputingTrainingCall(torch.autograd.Function):
+    """A training call that keeps nothing of ORT's forward: backward runs forward again on the
+    feeds as they are then, and backward right after.
+
+    For parameters whose memory is freed between forward and backward (FSDP2 reshards after
+    forward and gathers again before backward, into new memory): ORT's saved state would point
+    at the freed memory. Costs one more forward; holds only the feeds (no activations) in
+    between, as activation checkpointing does. Dropout and random torch-calling nodes replay
+    the forward's seeds.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        program: TrainingProgram,
+        step: Step,
+        saved: tuple[int, ...],
+        *feeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        seed = _seed_dropout() if step.seeds_dropout else None
+        with _node_seeds(None) as drawn:
+            _, outputs, contexts = _run_forward(program, step, feeds)
+        torch_nodes.release(contexts)  # ORT's state is dropped here: no backward from it
+        ctx.program = program
+        ctx.step = step
+        ctx.seeds = (seed, drawn)
+        ctx.set_materialize_grads(False)
+        user = _user_outputs(ctx, program, step, outputs)
+        ctx.save_for_backward(*feeds)  # after BatchNorm's running-stat update bumped versions
+        return user
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        feeds = ctx.saved_tensors
+        program: TrainingProgram = ctx.program
+        seed, drawn = ctx.seeds
+        if seed is not None:
+            runtime.load()[1].set_seed(seed)
+        with _node_seeds(drawn):
+            state, outputs, contexts = _run_forward(program, ctx.step, feeds)
         try:
-            program.agent.run_backward(_push(grads), results, run.state)
-        except Exception as exc:
-            raise _failure(step, "backward", exc) from torch_nodes.take_error() or exc
+            run = _RunState(state, _output_info(outputs))
+            grads = _run_backward(program, ctx.step, run, grad_outputs)
         finally:
-            run.state = None
-        tensors = _tensors(results)
-        feed_grads = tuple(tensors[i] if i >= 0 else None for i in program.grad_index)
-        return (None, None, None, *feed_grads)
+            torch_nodes.release(contexts)
+        return (None, None, None, *grads)
+
+
+@contextlib.contextmanager
+def _node_seeds(replay: list[int] | None) -> Iterator[list[int]]:
+    """Record the seeds this thread's random torch-calling nodes draw in one forward, or hand
+    them the recorded ones again (the recomputed forward must make the same draws)."""
+    previous = torch_nodes.seed_source
+    thread = threading.get_ident()
+    drawn: list[int] = []
+    again = iter(replay) if replay is not None else None
+
+    def source() -> int:
+        if threading.get_ident() != thread:
+            return previous()
+        seed = next(again, None) if again is not None else None
+        seed = previous() if seed is None else seed
+        drawn.append(seed)
+        return seed
+
+    torch_nodes.seed_source = source
+    try:
+        yield drawn
+    finally:
+        torch_nodes.seed_source = previous

@@ -129,6 +129,20 @@ class _FlatModule(torch.nn.Module):
         self._call_spec = call_spec
         self.output_spec: OutputSpec | None = None
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The exporter finds parameters through `state_dict()`: the user's state_dict hooks
+        must not run there (FSDP2's pre-hook reshards the parameters the trace is about to use,
+        FSDP1's post-hook renames them)."""
+        tables = [m.__dict__ for m in self.modules()]  # not setattr: a patched one counts writes
+        saved = [(t["_state_dict_pre_hooks"], t["_state_dict_hooks"]) for t in tables]
+        try:
+            for table in tables:
+                table["_state_dict_pre_hooks"], table["_state_dict_hooks"] = {}, {}
+            return super().state_dict(*args, **kwargs)
+        finally:
+            for table, (pre, post) in zip(tables, saved, strict=True):
+                table["_state_dict_pre_hooks"], table["_state_dict_hooks"] = pre, post
+
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._call_spec.rebuild(tensors)
         result = self._forward(*args, **kwargs)

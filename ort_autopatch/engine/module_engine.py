@@ -111,11 +111,12 @@ class _Entry:
     output_spec: export.OutputSpec
     recipe: Recipe
 
-    def run(self, state: ModuleState, call: signature.FlatCall) -> Any:
+    def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
         feeds = [user[i] if is_user else tensors[i] for is_user, i in self.feeds]
         if self.training:
-            outputs = bridge.TrainingCall.apply(self.program, self.step, self.saved, *feeds)
+            function = bridge.RecomputingTrainingCall if recompute else bridge.TrainingCall
+            outputs = function.apply(self.program, self.step, self.saved, *feeds)
         else:
             outputs = bridge.run_inference(self.program, self.step, feeds)
         return self.output_spec.rebuild(outputs)
@@ -189,7 +190,9 @@ class ModuleEngine:
             self._cache.clear()
             self._trusted.clear()
             self._built.clear()
-            self._pending_reason = reason
+            # Before the first build (parameters swapped in by a pre-forward hook, as FSDP2's
+            # unshard does) the build is still the first call's.
+            self._pending_reason = reason if self.records else "first call"
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -206,12 +209,15 @@ class ModuleEngine:
         *,
         trust_last: bool = False,
         check_devices: bool = True,
+        recompute: bool = False,
     ) -> Any:
         """Run one call.
 
         `trust_last` reuses the graph last used in the same grad/train mode without checking
         structure, guards or signature (SKIP_CHECK_BUILD_GRADIENT): faster, and stale when the
-        module or the inputs changed in a way the graph cannot absorb.
+        module or the inputs changed in a way the graph cannot absorb. `recompute` keeps nothing
+        of a training forward and runs it again in backward, for parameters whose memory is
+        freed in between (FSDP2 resharding after forward).
         """
         module = self._module()
         if module is None:  # pragma: no cover - the caller holds the module
@@ -221,7 +227,7 @@ class ModuleEngine:
             trusted = self._cache.get(self._trusted[mode])  # None once evicted
             if trusted is not None:
                 call = signature.flatten_call(self._cls, args, kwargs, check_devices)
-                return trusted.run(self._state, call)
+                return trusted.run(self._state, call, recompute)
         state = self._state
         if not state.unchanged():
             self.invalidate(state.describe_change())
@@ -260,7 +266,7 @@ class ModuleEngine:
         self._last_base = base
         self._last_in_mode[base[:2]] = base
         self._trusted[mode] = key
-        return entry.run(state, call)
+        return entry.run(state, call, recompute)
 
     def _key(self, base: Hashable, call: signature.FlatCall) -> Hashable:
         key = (base, self._guards.key() if self._guards is not None else ())

@@ -2,7 +2,9 @@
 # GPU check: on an x86-64 machine with an NVIDIA GPU, install the CUDA builds (torch, and
 # onnxruntime-training 1.19.2 with the CUDA 11.8 / cuDNN 8 libraries from nvidia-*-cu11 wheels),
 # run the zoo's parity on CUDA and time BERT-base and GPT-2 small training steps (batch 8,
-# sequence 128, fp32 and fp16 autocast) eager vs ORT. Results land in OUT_DIR.
+# sequence 128, fp32 and fp16 autocast) eager vs ORT, then FSDP2 (`fully_shard` on every block of a
+# GPT, NCCL, one rank per GPU, up to 2) eager vs ORT: final parameters, peak memory and step time.
+# Results land in OUT_DIR.
 #
 #   benchmarks/gpu_check.sh OUT_DIR [--dry-run] [--wheels DIR]
 #
@@ -62,6 +64,7 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "plan: pip install ${PIP_SOURCE[*]} $TORCH_SPEC (index $TORCH_INDEX)"
   echo "plan: pip install ${PIP_SOURCE[*]} $ORT_SPEC ${CUDA11_LIBS[*]} ${OTHERS[*]} -e $ROOT"
   echo "plan: python benchmarks/gpu_bench.py --out $OUT --device cuda"
+  echo "plan: python benchmarks/bench_fsdp2.py --device cuda --nproc <GPUs, at most 2> (NCCL)"
   exit 0
 fi
 
@@ -119,6 +122,13 @@ step "zoo parity on CUDA, then BERT-base and GPT-2 small steps"
 set +e
 (cd "$ROOT" && timeout "$(left)" "$PY" benchmarks/gpu_bench.py --out "$OUT" --device cuda)
 status=$?
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+NPROC=$(( GPUS >= 2 ? 2 : 1 ))  # NCCL wants one GPU per rank
+step "FSDP2 (fully_shard, NCCL, $NPROC rank(s)): eager vs ORT"
+(cd "$ROOT" && timeout "$(left)" "$PY" benchmarks/bench_fsdp2.py --device cuda --nproc "$NPROC" --repeat 1)
+fsdp_status=$?
+if [ -f "$ROOT/benchmarks/results/fsdp2-cuda.json" ]; then cp "$ROOT/benchmarks/results/fsdp2-cuda.json" "$OUT/"; fi
+[ "$status" -ne 0 ] || status=$fsdp_status
 set -e
-step "done (exit $status); results in $OUT: gpu_parity.json gpu_steps.json gpu_check.log"
+step "done (exit $status); results in $OUT: gpu_parity.json gpu_steps.json fsdp2-cuda.json gpu_check.log"
 exit $status

@@ -13,7 +13,8 @@ backward, `--checkpoint torch|wrapper` applies activation checkpointing to the b
 `--mixed-precision bf16` passes `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, `--shard root`
 applies `fully_shard` to the root only (then select `__main__:GPT` to run it whole), `--fsdp 1`
 uses `FullyShardedDataParallel` (FSDP1) instead. `--out DIR` saves each rank's gathered full
-parameters (`params-RANK.pt`) and its peak memory (`memory-RANK.json`).
+parameters (`params-RANK.pt`), its peak RSS and step times (`run-RANK.json`); `--dim`, `--layers`
+and `--context` size the model.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import resource
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -30,29 +32,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-VOCAB, DIM, HEADS, LAYERS, CONTEXT = 64, 32, 4, 2, 16
+VOCAB, HEADS = 64, 4
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and a GELU MLP."""
 
-    def __init__(self, checkpoint: bool = False) -> None:
+    def __init__(self, dim: int, checkpoint: bool = False) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.checkpoint = checkpoint
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(DIM, dim=-1)
-        q, k, v = (t.view(batch, length, HEADS, DIM // HEADS).transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(DIM // HEADS)
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(dim, dim=-1)
+        q, k, v = (t.view(batch, length, HEADS, dim // HEADS).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(dim // HEADS)
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        out = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, DIM)
+        out = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, dim)
         return x + self.proj(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,13 +66,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, checkpoint: bool = False) -> None:
+    def __init__(self, dim: int, layers: int, context: int, checkpoint: bool = False) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(VOCAB, DIM)
-        self.positions = nn.Parameter(torch.randn(CONTEXT, DIM) * 0.02)
-        self.blocks = nn.ModuleList(Block(checkpoint) for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.tokens = nn.Embedding(VOCAB, dim)
+        self.positions = nn.Parameter(torch.randn(context, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, checkpoint) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids) + self.positions[: ids.shape[1]]
@@ -80,15 +82,15 @@ class GPT(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def make_model(checkpoint: bool = False) -> GPT:
+def make_model(checkpoint: bool = False, dim: int = 32, layers: int = 2, context: int = 16) -> GPT:
     torch.manual_seed(0)  # the same initial parameters on every rank
-    return GPT(checkpoint)
+    return GPT(dim, layers, context, checkpoint)
 
 
-def make_batch(step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, rank: int, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank its own data; the length changes from step to step."""
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    length = CONTEXT - (step % 3) * 3
+    length = context - (step % 3) * (context // 5)
     ids = torch.randint(0, VOCAB, (batch, length + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 
@@ -124,7 +126,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     gathered = {}
     for name, param in model.named_parameters():
         value = param.full_tensor() if isinstance(param, DTensor) else param
-        gathered[name] = value.detach().clone()
+        gathered[name] = value.detach().cpu().clone()
     return gathered
 
 
@@ -140,34 +142,48 @@ def main() -> None:
     parser.add_argument(
         "--shard", choices=("blocks", "root"), default="blocks", help="fully_shard each block too"
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL")
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--context", type=int, default=16)
     parser.add_argument("--out", help="folder for each rank's gathered parameters and memory")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
-    model = shard(make_model(args.checkpoint == "torch"), args)
+    model = make_model(args.checkpoint == "torch", args.dim, args.layers, args.context)
+    model = shard(model.to(device), args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    seconds = []
     for step in range(args.steps):
-        ids, targets = make_batch(step, rank, args.batch)
+        start = time.perf_counter()
+        ids, targets = (t.to(device) for t in make_batch(step, rank, args.batch, args.context))
         loss = model(ids, targets)
         optimizer.zero_grad()
         loss.backward()  # FSDP reduce-scatters each block's gradients as its backward ends
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
         if rank == 0:
             print(f"step {step}  loss {loss.item():.4f}", flush=True)
     if args.fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model):
-            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     else:
         params = full_parameters(model)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         torch.save(params, os.path.join(args.out, f"params-{rank}.pt"))
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        with open(os.path.join(args.out, f"memory-{rank}.json"), "w") as f:
-            json.dump({"peak_rss_kib": peak_kib}, f)
+        with open(os.path.join(args.out, f"run-{rank}.json"), "w") as f:
+            json.dump({"peak_rss_kib": peak_kib, "step_seconds": seconds}, f)
     dist.destroy_process_group()
 
 

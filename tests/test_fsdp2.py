@@ -45,7 +45,7 @@ def _train(out: pathlib.Path, options: list[str], modules: str | None) -> dict[s
     ranks = [torch.load(out / f"params-{rank}.pt") for rank in (0, 1)]
     for name in ranks[0]:
         assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between ranks"
-    memory = [json.loads((out / f"memory-{r}.json").read_text())["peak_rss_kib"] for r in (0, 1)]
+    memory = [json.loads((out / f"run-{r}.json").read_text())["peak_rss_kib"] for r in (0, 1)]
     reports = []
     if modules is not None:
         reports = [json.loads((out / f"report-{r}.json").read_text())["classes"] for r in (0, 1)]

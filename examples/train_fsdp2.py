@@ -12,7 +12,8 @@ backward, `--checkpoint torch|wrapper` applies activation checkpointing to the b
 (`torch.utils.checkpoint` inside the block's forward, or `checkpoint_wrapper` around it),
 `--mixed-precision bf16` passes `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, `--shard root`
 applies `fully_shard` to the root only (then select `__main__:GPT` to run it whole), `--fsdp 1`
-uses `FullyShardedDataParallel` (FSDP1) instead. `--out DIR` saves each rank's gathered full
+uses `FullyShardedDataParallel` (FSDP1) instead, `--eval` adds an eval-mode and a no_grad
+forward after every step. `--out DIR` saves each rank's gathered full
 parameters (`params-RANK.pt`), its peak RSS and step times (`run-RANK.json`); `--dim`, `--layers`
 and `--context` size the model.
 """
@@ -143,6 +144,9 @@ def main() -> None:
         "--shard", choices=("blocks", "root"), default="blocks", help="fully_shard each block too"
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL")
+    parser.add_argument(
+        "--eval", action="store_true", help="after each step: an eval-mode and a no_grad pass"
+    )
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=16)
@@ -158,7 +162,7 @@ def main() -> None:
     model = make_model(args.checkpoint == "torch", args.dim, args.layers, args.context)
     model = shard(model.to(device), args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    seconds = []
+    seconds, evaluations = [], []
     for step in range(args.steps):
         start = time.perf_counter()
         ids, targets = (t.to(device) for t in make_batch(step, rank, args.batch, args.context))
@@ -171,6 +175,12 @@ def main() -> None:
         seconds.append(time.perf_counter() - start)
         if rank == 0:
             print(f"step {step}  loss {loss.item():.4f}", flush=True)
+        if args.eval:
+            with torch.no_grad():
+                model.eval()
+                evaluations.append(model(ids, targets).item())
+                model.train()  # train mode without gradients, on a shorter batch
+                evaluations.append(model(ids[:, :5], targets[:, :5]).item())
     if args.fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -183,7 +193,9 @@ def main() -> None:
         torch.save(params, os.path.join(args.out, f"params-{rank}.pt"))
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         with open(os.path.join(args.out, f"run-{rank}.json"), "w") as f:
-            json.dump({"peak_rss_kib": peak_kib, "step_seconds": seconds}, f)
+            json.dump(
+                {"peak_rss_kib": peak_kib, "step_seconds": seconds, "evaluations": evaluations}, f
+            )
     dist.destroy_process_group()
 
 

@@ -45,11 +45,17 @@ def _train(out: pathlib.Path, options: list[str], modules: str | None) -> dict[s
     ranks = [torch.load(out / f"params-{rank}.pt") for rank in (0, 1)]
     for name in ranks[0]:
         assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between ranks"
-    memory = [json.loads((out / f"run-{r}.json").read_text())["peak_rss_kib"] for r in (0, 1)]
+    runs = [json.loads((out / f"run-{r}.json").read_text()) for r in (0, 1)]
     reports = []
     if modules is not None:
         reports = [json.loads((out / f"report-{r}.json").read_text())["classes"] for r in (0, 1)]
-    return {"params": ranks[0], "memory": memory, "reports": reports, "stderr": result.stderr}
+    return {
+        "params": ranks[0],
+        "memory": [r["peak_rss_kib"] for r in runs],
+        "evaluations": [r["evaluations"] for r in runs],
+        "reports": reports,
+        "stderr": result.stderr,
+    }
 
 
 def _initial() -> dict[str, torch.Tensor]:
@@ -89,8 +95,9 @@ def _memory_ratio(ort: dict[str, Any], eager: dict[str, Any]) -> float:
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Eager FSDP2, `fully_shard` on each block and on the root."""
-    return _train(tmp_path_factory.mktemp("eager") / "out", [], None)
+    """Eager FSDP2, `fully_shard` on each block and on the root (evaluating between steps, which
+    leaves the training's numbers alone)."""
+    return _train(tmp_path_factory.mktemp("eager") / "out", ["--eval"], None)
 
 
 CONFIGURATIONS = {
@@ -110,6 +117,24 @@ def test_sharded_blocks_train_in_ort_with_eager_fsdp2_numbers(
     # Peak RSS per rank, ORT against eager FSDP2: ONNX Runtime's library and sessions
     # (~45 MB) dominate at this size; README states the measured ratio.
     assert _memory_ratio(ort, eager) < 1.5, (ort["memory"], eager["memory"])
+
+
+def test_eval_and_no_grad_passes_between_steps_run_in_ort_with_eager_numbers(
+    tmp_path: pathlib.Path, eager: dict[str, Any]
+) -> None:
+    """Under FSDP2, an eval-mode pass and a train-mode no_grad pass after every step: each gets
+    its own graph (built once), the losses equal eager's, training is unchanged."""
+    ort = _train(tmp_path / "ort", ["--eval"], "__main__:Block")
+    _assert_same_training(ort, eager)
+    for rank in (0, 1):
+        assert len(ort["evaluations"][rank]) == 2 * STEPS
+        torch.testing.assert_close(
+            ort["evaluations"][rank], eager["evaluations"][rank], rtol=0, atol=1e-5
+        )
+    for classes in ort["reports"]:
+        block = classes["__main__:Block"]
+        assert (block["ort_calls"], block["eager_calls"]) == (3 * LAYERS * STEPS, 0), block
+        assert block["exports"] == 3 * LAYERS and block["fallbacks"] == [], block
 
 
 def test_root_and_blocks_selected_blocks_in_ort_root_eager_with_reason(

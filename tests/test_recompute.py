@@ -95,3 +95,20 @@ def test_nothing_of_the_forward_is_kept_but_its_inputs() -> None:
     saved = node.saved_tensors
     assert any(t is x for t in saved)
     assert all(t is x or isinstance(t, nn.Parameter) for t in saved)
+
+
+def test_random_torch_calling_nodes_draw_the_same_seeds_when_recomputed() -> None:
+    """Dropout routed to a torch-calling node: its seed comes from the tool's generator, and the
+    recomputed forward in backward must get the forward's seed back, not the next one."""
+    from ort_autopatch.engine import EngineOptions
+
+    torch.manual_seed(0)
+    model = Scaled()
+    engine = ModuleEngine(model, EngineOptions(torch_ops=("aten::dropout",)))
+    x = torch.randn(64, 32)
+    out = engine.run((x,), {}, recompute=True)
+    assert engine.records[-1].torch_nodes == {"aten::dropout": 1}
+    engine.run((x,), {})  # another forward draws the generator's next seed
+    out.sum().backward()
+    assert 0.3 < (out == 0).float().mean() < 0.7
+    torch.testing.assert_close(model.w.grad, out.detach().sum(0))

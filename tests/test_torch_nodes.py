@@ -473,6 +473,30 @@ def test_interpolate_nearest_bilinear_bicubic_train_in_the_graph() -> None:
     )
 
 
+class Norms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(6, 6, 1)
+        self.gn = nn.GroupNorm(3, 6)
+        self.plain = nn.GroupNorm(2, 6, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gn(self.conv(x))
+        return self.plain(h.unsqueeze(-1) * 2).squeeze(-1) + h
+
+
+def test_group_norm_decomposes_into_operators_ort_differentiates() -> None:
+    torch.manual_seed(19)
+    run = assert_training_parity(
+        Norms(),
+        lambda s: ((torch.randn(_batch(s), 6, 5 + s, generator=_gen(s), requires_grad=True),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert _torch_nodes(run.engine) == {}  # exact in ONNX, no torch needed
+
+
 # -- models ------------------------------------------------------------------------------------
 class UNet(nn.Module):
     """Two levels: GroupNorm blocks, a strided down path, ConvTranspose and Upsample up paths."""

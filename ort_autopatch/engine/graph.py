@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 #: Bumped whenever a pass changes what it emits; part of every persistent cache key.
-GRAPH_FIX_VERSION = 3  # 3: torch-calling nodes (torch_nodes.py)
+GRAPH_FIX_VERSION = 4  # 3: torch-calling nodes (torch_nodes.py); 4: GroupNorm decomposed
 
 
 def _unique(model: onnx.ModelProto, base: str) -> str:

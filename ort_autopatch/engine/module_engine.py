@@ -364,7 +364,9 @@ class ModuleEngine:
             if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
             progress.phase = "gradient build"
-            recipe, exported = self._routed_recipe(module, state, call, exported, model, grad)
+            recipe, exported = self._routed_recipe(
+                module, state, call, exported, model, grad, dynamic
+            )
             return recipe, exported.seconds
         except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
             if not dynamic:
@@ -377,7 +379,9 @@ class ModuleEngine:
             exported = self._export(module, call, dynamic=False)
             model = _load(exported.model_bytes)
             progress.phase = "gradient build"
-            recipe, exported = self._routed_recipe(module, state, call, exported, model, grad)
+            recipe, exported = self._routed_recipe(
+                module, state, call, exported, model, grad, dynamic=False
+            )
             self._static_shapes = True
             return recipe, exported.seconds
 
@@ -392,6 +396,7 @@ class ModuleEngine:
         exported: export.ExportedGraph,
         model: Any,
         grad: bool,
+        dynamic: bool,
     ) -> tuple[Recipe, export.ExportedGraph]:
         """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
         export produced it become torch-calling nodes and the call is exported again."""
@@ -425,9 +430,7 @@ class ModuleEngine:
             if not more:
                 raise failure
             log.debug("%s: %s become torch-calling nodes", self._cls, ", ".join(sorted(more)))
-            exported = self._export(
-                module, call, dynamic=not self._static_shapes, routed=exported.routed | more
-            )
+            exported = self._export(module, call, dynamic=dynamic, routed=exported.routed | more)
             model = _load(exported.model_bytes)
 
     def _export(

@@ -11,6 +11,8 @@ what was there (a user's own override included).
 - `aten::diff`: no stock symbolic at opset 17 (transformers calls it when no attention_mask).
 - `aten::cumsum`: integral and bool inputs accumulate in int64 as in torch (the stock symbolic
   keeps a bool input bool).
+- `aten::group_norm`: reductions and arithmetic instead of InstanceNormalization, which has no
+  gradient in ORT 1.19.2 (exact, and cheaper than a torch-calling node).
 """
 
 from __future__ import annotations
@@ -156,11 +158,46 @@ def cumsum(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
     return g.op("CumSum", x, g.op("Constant", value_t=torch.tensor(axis, dtype=torch.int64)))
 
 
+def _reduce_mean(g: Any, x: Any, axes: list[int]) -> Any:
+    if g.opset >= 18:
+        return g.op("ReduceMean", x, _const(g, axes), keepdims_i=1)
+    return g.op("ReduceMean", x, axes_i=axes, keepdims_i=1)
+
+
+@symbolic_helper.parse_args("v", "i", "v", "v", "f", "b")
+def group_norm(
+    g: Any, x: Any, groups: int, weight: Any, bias: Any, eps: float, cudnn_enabled: bool
+) -> Any:
+    """GroupNorm as reductions and arithmetic, all of which ORT differentiates (the stock
+    symbolic's InstanceNormalization has no gradient in ORT 1.19.2): per sample and group,
+    (x - mean) / sqrt(biased variance + eps), then the per-channel affine."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None:
+        raise ValueError("group_norm needs the rank of its input")
+    shape = g.op("Shape", x)
+    grouped = g.op("Reshape", x, _const(g, [0, groups, -1]))
+    mean = _reduce_mean(g, grouped, [2])
+    centred = g.op("Sub", grouped, mean)
+    var = _reduce_mean(g, g.op("Mul", centred, centred), [2])
+    eps_value = _scalar_like(g, eps, x)
+    normed = g.op("Div", centred, g.op("Sqrt", g.op("Add", var, eps_value)))
+    y = g.op("Reshape", normed, shape)
+    trailing = list(range(1, rank - 1))
+    if not symbolic_helper._is_none(weight):
+        w = g.op("Unsqueeze", weight, _const(g, trailing)) if trailing else weight
+        y = g.op("Mul", y, w)
+    if not symbolic_helper._is_none(bias):
+        b = g.op("Unsqueeze", bias, _const(g, trailing)) if trailing else bias
+        y = g.op("Add", y, b)
+    return y
+
+
 #: Every symbolic this module installs during an export.
 SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::scaled_dot_product_attention": scaled_dot_product_attention,
     "aten::diff": diff,
     "aten::cumsum": cumsum,
+    "aten::group_norm": group_norm,
 }
 
 _lock = threading.Lock()

@@ -282,11 +282,21 @@ def _schema_for(name: str, inputs: list[Any]) -> Any:
     return best
 
 
+def _transposed(inputs: tuple[Any, ...]) -> bool:
+    known, value = _constant(inputs[6]) if len(inputs) > 6 else (False, None)
+    return not known or bool(_python(value, "bool", False))
+
+
 def aten_symbolic(name: str) -> Callable[..., Any]:
     """A symbolic that sends the traced `name` (e.g. "aten::cummax") to torch."""
 
     def symbolic(g: Any, *inputs: Any, **attrs: Any) -> Any:
         node = g.original_node
+        if name == "aten::_convolution" and not _transposed(inputs):
+            # only transposed convolutions lack CPU gradient kernels; others stay in ONNX
+            from torch.onnx._internal.torchscript_exporter import symbolic_opset9
+
+            return symbolic_opset9._convolution(g, *inputs)
         schema = _schema_for(node.kind(), list(inputs))
         overload = getattr(
             getattr(torch.ops.aten, schema.name.split("::", 1)[1]),
@@ -364,6 +374,9 @@ def aten_symbolic(name: str) -> Callable[..., Any]:
 #: Gradient operators ORT 1.19.2's builder emits but its CPU build has no kernel for (the
 #: session would be rejected), with the forward operator they differentiate.
 MISSING_CPU_GRADIENT_KERNELS = {"ConvTransposeGrad": "ConvTranspose", "ResizeGrad": "Resize"}
+#: Gradient operators that take their input's shape from shape inference: behind a
+#: torch-calling node (whose output sizes ORT cannot infer) they return an empty gradient.
+SHAPE_INFERRED_GRADIENTS = {"AveragePoolGrad": "AveragePool"}
 
 
 def culprits(message: str, provenance: dict[str, set[str]]) -> set[str]:
@@ -388,8 +401,25 @@ def unrunnable_gradients(gradient_model: bytes, device: torch.device) -> set[str
     import onnx
 
     model = onnx.load_from_string(gradient_model)
-    return {
+    found = {
         MISSING_CPU_GRADIENT_KERNELS[n.op_type]
         for n in model.graph.node
         if n.op_type in MISSING_CPU_GRADIENT_KERNELS
     }
+    forward_ops = set(SHAPE_INFERRED_GRADIENTS.values())
+    if any(n.op_type in SHAPE_INFERRED_GRADIENTS for n in model.graph.node) and any(
+        n.op_type == torch_nodes.OP_TYPE for n in model.graph.node
+    ):
+        inferred = onnx.shape_inference.infer_shapes(model)
+        known = {
+            v.name
+            for v in (*inferred.graph.value_info, *inferred.graph.input)
+            if v.type.tensor_type.HasField("shape")
+            and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)
+        }
+        found |= {
+            n.op_type
+            for n in inferred.graph.node
+            if n.op_type in forward_ops and n.input[0] not in known
+        }
+    return found

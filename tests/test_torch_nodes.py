@@ -815,3 +815,91 @@ def test_report_says_per_class_which_operators_ran_through_torch() -> None:
     finally:
         patcher.unpatch(ReportedCumulative)
         report.reset()
+
+
+# -- fused attention ----------------------------------------------------------------------------
+SDPA = "aten::scaled_dot_product_attention"
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with a mask of each kind (bool with fully masked rows, float),
+    causal, and dropout inside attention."""
+
+    def __init__(self, mode: str, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.kv = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.mode = mode
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 8).transpose(1, 2).chunk(2, dim=-1)
+        mask = None
+        if self.mode == "bool":
+            keep = torch.arange(t, device=x.device) < t - 1
+            mask = keep.view(1, 1, 1, t) & (torch.arange(t, device=x.device) > 0).view(1, 1, t, 1)
+        elif self.mode == "float":
+            pos = torch.arange(t, device=x.device, dtype=x.dtype)
+            mask = -0.3 * (pos.view(1, t) - pos.view(t, 1)).abs()  # an ALiBi-like bias
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.mode == "causal",
+            enable_gqa=True,
+        )
+        return self.out(y.transpose(1, 2).reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["bool", "float", "causal"])
+def test_fused_attention_runs_torchs_kernel_inside_the_graph(mode: str, device: str) -> None:
+    torch.manual_seed(20)
+    options = EngineOptions(torch_ops=(SDPA,)) if device == "cpu" else None  # CUDA: by rule
+    run = assert_training_parity(
+        Attention(mode).to(device),
+        lambda s: ((torch.randn(_batch(s), 3 + s, 16, generator=_gen(s)).to(device),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+        options=options,
+    )
+    assert _torch_nodes(run.engine) == {SDPA: 1}
+
+
+def test_attention_dropout_inside_the_torch_node_is_seeded_and_active() -> None:
+    torch.manual_seed(21)
+    model = Attention("causal", dropout=0.5)
+    x = torch.randn(4, 6, 16)
+    options = EngineOptions(torch_ops=(SDPA,))
+
+    def step(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(seed)
+        engine = ModuleEngine(copy.deepcopy(model), options)
+        out = engine(x)
+        out.sum().backward()
+        module = engine._module()
+        assert module is not None and module.q.weight.grad is not None
+        return out.detach(), module.q.weight.grad
+
+    first, grad = step(31)
+    other, _ = step(32)
+    again, grad_again = step(31)
+    assert torch.equal(first, again) and torch.equal(grad, grad_again)
+    assert not torch.equal(first, other)
+    with torch.no_grad():
+        model.eval()
+        undropped = model(x)
+    assert not torch.allclose(first, undropped)
+
+
+def test_attention_stays_onnx_on_cpu_by_default() -> None:
+    engine = ModuleEngine(Attention("causal"))
+    engine(torch.randn(2, 5, 16)).sum().backward()
+    assert SDPA not in _torch_nodes(engine)

@@ -440,7 +440,14 @@ class ModuleEngine:
         dynamic: bool,
         routed: frozenset[str] | None = None,
     ) -> export.ExportedGraph:
+        from ort_autopatch.engine import torch_ops
+
         forward = self._forward
+        device = next(
+            iter({t.device for t in call.tensors} | self._state.devices()), torch.device("cpu")
+        )
+        chosen = self._routed if routed is None else routed
+        chosen = chosen | {r for r in torch_ops.default_routes(device) if self._may_route(r)}
         return export.export_call(
             module,
             lambda *a, **k: forward(module, *a, **k),
@@ -448,7 +455,7 @@ class ModuleEngine:
             call.tensors,
             opset=self.options.opset,
             dynamic=dynamic,
-            routed=self._routed if routed is None else routed,
+            routed=chosen,
             may_route=self._may_route,
         )
 

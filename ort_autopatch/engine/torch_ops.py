@@ -379,6 +379,20 @@ MISSING_CPU_GRADIENT_KERNELS = {"ConvTransposeGrad": "ConvTranspose", "ResizeGra
 SHAPE_INFERRED_GRADIENTS = {"AveragePoolGrad": "AveragePool"}
 
 
+def default_routes(device: torch.device) -> frozenset[str]:
+    """Operators sent to torch up front on `device`, by a measured rule.
+
+    On CUDA, `scaled_dot_product_attention` runs torch's fused flash/efficient kernels inside
+    the graph (ORT's CUDA build would run the unfused MatMul/Softmax/MatMul the symbolic emits).
+    On CPU the ONNX path stays: torch's CPU flash kernel inside the graph measured no faster
+    (TransformerEncoderLayer d256, 64 tokens: step ratio to eager 1.39 ONNX vs 1.42 torch at 1
+    thread, 1.59 vs 1.78 at 2), as a node costs a Python round trip per call.
+    """
+    if device.type == "cuda":
+        return frozenset({"aten::scaled_dot_product_attention"})
+    return frozenset()
+
+
 def culprits(message: str, provenance: dict[str, set[str]]) -> set[str]:
     """The ATen operators whose export produced the ONNX operator an ORT error names."""
     import re

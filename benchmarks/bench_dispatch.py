@@ -70,6 +70,38 @@ def _step_ms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 60
     return statistics.median(times) * 1e3
 
 
+def bert_hit_path() -> dict[str, Any]:
+    """The hit path on a 12-layer BERT (about 230 modules, tiny widths): the cost of checking
+    that a graph still fits grows with the module tree, not with the widths."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=12,
+        num_attention_heads=2,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    patcher.patch(BertModel)
+    try:
+        model = BertModel(config)
+        ids = torch.randint(0, 100, (2, 16))
+        model(input_ids=ids)  # build
+        real_run = module_engine._Entry.run
+        module_engine._Entry.run = lambda self, state, call: None  # type: ignore[method-assign,assignment,return-value]
+        try:
+            hit_us = _median_us(lambda: model(input_ids=ids), repeat=300)
+        finally:
+            module_engine._Entry.run = real_run  # type: ignore[method-assign]
+        modules = sum(1 for _ in model.modules())
+    finally:
+        patcher.unpatch(BertModel)
+    return {"bert12_modules": modules, "bert12_hit_path_us": round(hit_us, 2)}
+
+
 def main() -> None:
     torch.manual_seed(0)
     x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
@@ -102,6 +134,7 @@ def main() -> None:
             module_engine._Entry.run = real_run  # type: ignore[method-assign]
         results[f"hit_path_us_{label}"] = round(hit_us, 2)
         results[f"hit_path_share_of_eager_step_{label}"] = round(hit_us / (eager_ms * 1e3), 4)
+    results.update(bert_hit_path())
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     for key, value in results.items():

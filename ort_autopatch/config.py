@@ -415,6 +415,15 @@ class Config:
         engine=True,
         help="graphs kept in memory per module instance",
     )
+    verify: int = option(
+        0,
+        env="ORT_AUTOPATCH_VERIFY",
+        flag="--verify",
+        kind=Integer(lambda n: n >= 0, "a count of calls, 0 for none"),
+        engine=True,
+        help="also run the first N calls of each new graph in PyTorch and compare outputs and "
+        "gradients; a mismatch sends that graph's calls to PyTorch",
+    )
 
     untested_torch: bool = option(
         False,

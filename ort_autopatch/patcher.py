@@ -247,6 +247,8 @@ class _Instance:
         self.guards: list[tuple[dict[str, Any], str, str, str]] = []
         self._guard_set: set[tuple[int, str]] = set()
         self._builds_seen = 0
+        self._hazards_seen = 0
+        self._verifications_seen = 0
         self._last_guard_key: tuple[Hashable, ...] = ()
         self._guard_owners: list[dict[str, Any]] = []  # columns of `guards`, for map() in C
         self._guard_names: list[str] = []
@@ -313,6 +315,17 @@ class _Instance:
             output = run_post_hooks(module, args, kwargs, output)
         return output
 
+    def _account_verification(self, result: Any) -> None:
+        stats = self.stats
+        if result.unverified is not None:
+            stats.unverified[result.unverified] += 1
+            return
+        stats.verified_calls += 1
+        stats.verify_mismatches += result.mismatch is not None
+        for name in ("output_diff", "output_rel", "grad_diff", "grad_rel"):
+            value = getattr(result, name)
+            stats.verify_worst[name] = max(stats.verify_worst.get(name, 0.0), value)
+
     def _fallback(self, exc: Exception, context: str | None = None) -> None:
         if isinstance(exc, EngineError):
             reason, cause, remedy = exc.reason, exc.cause, exc.remedy
@@ -336,6 +349,18 @@ class _Instance:
             )
 
     def _account_builds(self, engine: ModuleEngine) -> None:
+        checked = engine.verifications
+        if len(checked) != self._verifications_seen:
+            with self.stats.lock:
+                for result in checked[self._verifications_seen :]:
+                    self._account_verification(result)
+                self._verifications_seen = len(checked)
+        found = engine.hazards
+        if len(found) != self._hazards_seen:
+            with self.stats.lock:
+                for hazard in found[self._hazards_seen :]:
+                    self.stats.trace_hazards[(hazard.kind, hazard.what, hazard.where)] += 1
+                self._hazards_seen = len(found)
         records = engine.records
         if len(records) == self._builds_seen:
             return
@@ -352,6 +377,8 @@ class _Instance:
                     self.stats.torch_nodes[label] = max(self.stats.torch_nodes[label], count)
                 if record.reason != "first call":
                     self.stats.rebuilds[record.reason] += 1
+                if record.per_shape:
+                    self.stats.per_shape_graphs += 1
 
     # guards ----------------------------------------------------------------------------------
     def key(self) -> Hashable:
@@ -360,10 +387,8 @@ class _Instance:
         if not self.guards:
             return ()
         key: tuple[Hashable, ...] = tuple(map(dict.get, self._guard_owners, self._guard_names))
-        try:
-            hash(key)
-        except TypeError:  # an unhashable value: compare it by identity
-            key = tuple(map(_hashable, key))
+        if not _PLAIN_TYPES.issuperset(map(type, key)):
+            key = tuple(map(guard_value, key))
         last = self._last_guard_key
         if key != last and self.engine is not None and len(last) == len(key):
             changed = [
@@ -416,6 +441,8 @@ class _Instance:
         with recording_reads(module, reads):
             output = module.forward(*args, **kwargs)
         for owner, name, path in reads:
+            if name == "training" and isinstance(owner, torch.nn.Module):
+                continue  # train flags are part of every key: a change reads as a mode change
             self._guard(owner, name, path)
         return output
 
@@ -444,10 +471,29 @@ def _falls_back(policy: Fallback, exc: Exception) -> bool:
     return isinstance(exc, EngineError) and falls_back(policy, _FALLBACK_FOR_KIND[exc.kind])
 
 
-def _hashable(value: Any) -> Hashable:
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
+
+
+def guard_value(value: Any) -> Hashable:
+    """What a guard compares for an attribute value: plain values by value, tensors by identity,
+    version counter, shape, dtype and device (never by their elements: comparing tensors with
+    `!=` is ambiguous, and a graph baked the tensor's contents as of its version), containers
+    element by element, anything else by value when hashable and by identity otherwise."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version, value.shape, value.dtype, value.device)
+    if kind in (tuple, list):
+        return (kind.__name__, tuple(map(guard_value, value)))
+    if kind is dict:
+        return ("dict", tuple((k, guard_value(v)) for k, v in value.items()))
     try:
         hash(value)
-    except TypeError:
+        equal = value == value  # some types compare to arrays (numpy) or raise
+        if type(equal) is not bool:
+            raise TypeError
+    except Exception:
         return ("id", id(value))
     return value
 

@@ -22,6 +22,14 @@ class ClassStats:
     ignored_writes: int = 0
     # operators running as torch-calling nodes inside this class's graphs (most per graph)
     torch_nodes: Counter[str] = field(default_factory=Counter)
+    # what traces froze, (kind, what, user's file:line) -> times seen (engine/hazards.py)
+    trace_hazards: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    per_shape_graphs: int = 0  # graphs built for one input shape (the model specialises)
+    # --verify: calls compared with eager, the worst differences, mismatches, unverified calls
+    verified_calls: int = 0
+    verify_mismatches: int = 0
+    verify_worst: dict[str, float] = field(default_factory=dict)
+    unverified: Counter[str] = field(default_factory=Counter)
     # Threads share a class's counters; `+=` on them is not atomic.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -44,6 +52,17 @@ class ClassStats:
             "torch_nodes": {
                 "count": sum(self.torch_nodes.values()),
                 "operators": dict(sorted(self.torch_nodes.items())),
+            },
+            "trace_hazards": [
+                {"kind": k, "what": w, "where": at, "count": c}
+                for (k, w, at), c in self.trace_hazards.items()
+            ],
+            "per_shape_graphs": self.per_shape_graphs,
+            "verify": {
+                "calls": self.verified_calls,
+                "mismatches": self.verify_mismatches,
+                **{f"worst_{k}": v for k, v in sorted(self.verify_worst.items())},
+                "unverified": [{"reason": r, "count": c} for r, c in self.unverified.items()],
             },
         }
 

@@ -584,6 +584,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         untested_torch=True,
         torch_ops=("aten::einsum",),
         no_torch_ops=("aten::cumm*", "aten::lstm"),
+        verify=2,
     )
     flags: list[str] = []
     for opt in OPTIONS:

@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ort_autopatch.engine.errors import (  # noqa: F401  (re-exported)
+    DataDependentError,
     EngineError,
     ExecutionError,
     ExportError,

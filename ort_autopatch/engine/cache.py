@@ -85,6 +85,10 @@ class GraphCache(Generic[V]):
             self.builds += 1
             return value
 
+    def fail(self, key: Hashable, error: BaseException) -> None:
+        """Remember `key` as failed: its next lookups raise `error` again."""
+        self._store(key, _Failed(error))
+
     def rekey(self, old: Hashable, new: Hashable) -> None:
         """File an entry under a more specific key (a graph that turned out shape-specific)."""
         with self._lock:

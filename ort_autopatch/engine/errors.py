@@ -104,3 +104,9 @@ class ExecutionError(EngineError):
 
     kind = FailureKind.RUNTIME
     reason = "execution failed"
+
+
+class DataDependentError(UnsupportedModelError):
+    """forward decides something from tensor values, which a traced graph would freeze."""
+
+    reason = "data-dependent control flow"

@@ -10,7 +10,10 @@ undone in the order it was made: torch's ONNX symbolic registry (`symbolics.regi
 `torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), the exporter's
 `_run_symbolic_function` (`_watching_conversions`), `CheckpointFunction.apply` and
 transformers' mask helpers (`tracing.export_rewrites`), and the `__class__` of the exported
-module's objects while their attribute reads are recorded (`ort_autopatch.recording`). Calls made
+module's objects while their attribute reads are recorded (`ort_autopatch.recording`), and the
+trace-hazard recorders (`hazards.recording`: torch.Tensor's conversions to Python values,
+`split`/`unbind`/iteration, and the exporter's `_optimize_graph`, which strips traced sizes).
+Calls made
 in other threads meanwhile see those rebindings; patched calls in this thread step aside
 (`is_exporting`).
 """
@@ -25,7 +28,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import objects, trees
+from ort_autopatch.engine import hazards, objects, trees
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
 
 log = logging.getLogger("ort_autopatch")
@@ -45,6 +47,13 @@ _state = threading.local()
 def is_exporting() -> bool:
     """True while this thread runs an export started by the engine (patched calls step aside)."""
     return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def stepping_aside() -> Iterator[None]:
+    """Patched calls in this thread run their original code (as during an export)."""
+    with _exporting():
+        yield
 
 
 @contextlib.contextmanager
@@ -128,6 +137,8 @@ class _FlatModule(torch.nn.Module):
         self._forward = forward
         self._call_spec = call_spec
         self.output_spec: OutputSpec | None = None
+        self.checks: list[hazards.Check] = []
+        self.with_checks = True  # a static export has nothing to check
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The exporter finds parameters through `state_dict()`: the user's state_dict hooks
@@ -158,6 +169,11 @@ class _FlatModule(torch.nn.Module):
                 outputs.extend(carried)
                 carriers.append(i)
         self.output_spec = OutputSpec(spec, constants, positions, carriers)
+        # Values the trace took from sizes, recomputed by the graph as its last outputs.
+        checks = hazards.take_checks() if self.with_checks else []
+        if checks:
+            outputs.append(hazards.checks_output([traced for traced, _ in checks], tensors))
+        self.checks = [check for _, check in checks]
         return tuple(_OutputIdentity.apply(t) for t in outputs)
 
 
@@ -174,6 +190,8 @@ class ExportedGraph:
     # ATen operator -> ONNX operator types its symbolic emitted (to route a failing one to torch)
     provenance: dict[str, set[str]] = field(default_factory=dict)
     routed: frozenset[str] = frozenset()  # ATen operators that became torch-calling nodes
+    findings: hazards.Findings = field(default_factory=lambda: hazards.Findings([]))
+    checks: list[hazards.Check] = field(default_factory=list)  # the last graph outputs
 
 
 class UnexportableOperator(ExportError):
@@ -299,6 +317,7 @@ def _export_once(
     cls = type(module).__qualname__
     conversions = _Conversions()
     wrapper = _FlatModule(module, forward, call_spec)
+    wrapper.with_checks = dynamic
     input_names = [f"input_{i}" for i in range(len(tensors))]
     dynamic_axes: dict[str, dict[int, str]] = {}
     if dynamic:
@@ -320,9 +339,8 @@ def _export_once(
             symbolics.registered(opset, symbolics.for_export(routed)),
             tracing.export_rewrites(),
             torch.no_grad(),
-            warnings.catch_warnings(),
+            hazards.recording() as found,
         ):
-            warnings.simplefilter("ignore")
             torch.onnx.export(
                 wrapper,
                 tuple(t.detach() for t in tensors),
@@ -374,6 +392,8 @@ def _export_once(
         seconds=time.perf_counter() - start,
         provenance=conversions.provenance,
         routed=routed,
+        findings=found,
+        checks=wrapper.checks,
     )
 
 

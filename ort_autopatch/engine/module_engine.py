@@ -17,9 +17,20 @@ from typing import Any, Protocol
 
 import torch
 
-from ort_autopatch.engine import bridge, export, graph, session, signature, torch_nodes
+from ort_autopatch.engine import (
+    bridge,
+    export,
+    graph,
+    hazards,
+    session,
+    signature,
+    torch_nodes,
+    verify,
+)
 from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.errors import (
+    DataDependentError,
+    ExecutionError,
     ExportError,
     GradientBuildError,
     MixedDevicesError,
@@ -55,6 +66,7 @@ class EngineOptions:
     # or differentiate it.
     torch_ops: tuple[str, ...] = ()
     no_torch_ops: tuple[str, ...] = ()
+    verify: int = 0  # calls of each new graph key also run eagerly and compared (verify.py)
 
 
 class Guards(Protocol):
@@ -81,6 +93,7 @@ class BuildRecord:
     from_disk: bool = False
     # operators running as torch-calling nodes in the graph built ("aten::cummax": 2)
     torch_nodes: dict[str, int] = field(default_factory=dict)
+    per_shape: bool = False  # keyed by its input shapes (the model specialises on sizes)
 
 
 @dataclass
@@ -98,6 +111,8 @@ class Recipe:
     seeds_dropout: bool
     optimized: bytes | None = None  # ORT's optimised form of the graph that runs
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
+    checks: list[hazards.Check] = field(default_factory=list)  # the last user outputs
+    traced_shapes: tuple[tuple[int, ...], ...] | None = None  # the example's input shapes
 
 
 @dataclass
@@ -114,12 +129,62 @@ class _Entry:
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
         feeds = [user[i] if is_user else tensors[i] for is_user, i in self.feeds]
-        if self.training:
-            function = bridge.RecomputingTrainingCall if recompute else bridge.TrainingCall
-            outputs = function.apply(self.program, self.step, self.saved, *feeds)
-        else:
-            outputs = bridge.run_inference(self.program, self.step, feeds)
+        checks = self.recipe.checks
+        before = _Undo(self.step) if checks else None
+        try:
+            if self.training:
+                function = bridge.RecomputingTrainingCall if recompute else bridge.TrainingCall
+                outputs = function.apply(self.program, self.step, self.saved, *feeds)
+            else:
+                outputs = bridge.run_inference(self.program, self.step, feeds)
+        except ExecutionError as exc:
+            if before is None or call.shapes() == self.recipe.traced_shapes:
+                raise  # a failure of the graph itself, not of sizes it was not traced for
+            # A graph that froze sizes (checks) and fails on other sizes: its structure
+            # follows them (a split over time), so it is one graph per shape from now on.
+            before.undo()
+            raise _Specialises(checks[0].hazard.where) from exc
+        if checks:
+            computed, at = outputs[-1].tolist(), 0
+            for check in checks:
+                width = check.width
+                got = computed[at : at + width] if check.is_list else computed[at]
+                at += width
+                if not check.holds(got):
+                    assert before is not None
+                    before.undo()
+                    raise _Specialises(check.hazard.where)
         return self.output_spec.rebuild(outputs)
+
+
+class _Specialises(Exception):
+    """A graph's check failed for this call: the model specialises on sizes after all."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+class _Undo:
+    """What a graph run changes besides its outputs (the RNG draw that seeds dropout, BatchNorm
+    running statistics), saved so a run whose checks fail leaves no trace."""
+
+    def __init__(self, step: bridge.Step) -> None:
+        self.rng = torch.random.get_rng_state() if step.seeds_dropout else None
+        self.buffers = [
+            (b, b.detach().clone())
+            for update in step.batch_norms
+            if (bn := update.module()) is not None
+            for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+            if b is not None
+        ]
+
+    def undo(self) -> None:
+        if self.rng is not None:
+            torch.random.set_rng_state(self.rng)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
 
 
 def _default_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -154,6 +219,9 @@ class ModuleEngine:
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
         self.records: list[BuildRecord] = []
+        self.hazards: list[hazards.Hazard] = []  # every trace hazard found, for reports
+        self.verifications: list[verify.Verification] = []  # --verify's comparisons
+        self._verified: dict[Hashable, int] = {}  # key -> calls verified
         self._pending_reason: str | None = "first call"
         self._trusted: dict[tuple[bool, bool], Hashable] = {}  # mode -> key last used
         self._built: set[Hashable] = set()
@@ -190,6 +258,7 @@ class ModuleEngine:
             self._cache.clear()
             self._trusted.clear()
             self._built.clear()
+            self._verified.clear()
             # Before the first build (parameters swapped in by a pre-forward hook, as FSDP2's
             # unshard does) the build is still the first call's.
             self._pending_reason = reason if self.records else "first call"
@@ -222,6 +291,26 @@ class ModuleEngine:
         module = self._module()
         if module is None:  # pragma: no cover - the caller holds the module
             raise ReferenceError("the module was garbage collected")
+        try:
+            return self._run(module, args, kwargs, trust_last, check_devices, recompute)
+        except _Specialises as exc:
+            # The graph recomputed a value its trace took from sizes and got another one: from
+            # now on one graph per input shape (this call included).
+            log.debug("%s: %s differs for this call; one graph per shape", self._cls, exc)
+            with self._lock:
+                self._static_shapes = True
+                self._pending_reason = f"sizes change a traced value ({exc.where})"
+            return self._run(module, args, kwargs, False, check_devices, recompute)
+
+    def _run(
+        self,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        trust_last: bool,
+        check_devices: bool,
+        recompute: bool,
+    ) -> Any:
         mode = (torch.is_grad_enabled(), module.training)
         if trust_last and mode in self._trusted:
             trusted = self._cache.get(self._trusted[mode])  # None once evicted
@@ -263,6 +352,9 @@ class ModuleEngine:
                         self._cache.rekey(key, settled)
                         key = settled
                     self._built.add(key)
+        if self.options.verify and self._verified.get(key, 0) < self.options.verify:
+            self._verified[key] = self._verified.get(key, 0) + 1
+            self._verify(module, entry, state, call, grad, key)
         self._last_base = base
         self._last_in_mode[base[:2]] = base
         self._trusted[mode] = key
@@ -287,6 +379,47 @@ class ModuleEngine:
         if same_mode[2] != base[2]:
             return "requires_grad changed"
         return "new input signature"
+
+    def _verify(
+        self,
+        module: torch.nn.Module,
+        entry: _Entry,
+        state: ModuleState,
+        call: signature.FlatCall,
+        grad: bool,
+        key: Hashable,
+    ) -> None:
+        """Run this call also through the graph and eagerly and compare (`--verify`); a
+        mismatch remembers this key as failed, so its calls run in PyTorch."""
+        random = verify.random_ops(_load(entry.recipe.forward_model))
+        if random:
+            self.verifications.append(
+                verify.Verification(unverified=f"random operators ({', '.join(random)})")
+            )
+            return
+        spec = call.spec()
+        forward = self._forward
+
+        def run_graph(tensors: list[torch.Tensor]) -> Any:
+            copy = signature.FlatCall(tensors, call.signature, spec, call.args, call.kwargs)
+            return entry.run(state, copy)
+
+        def run_eager(tensors: list[torch.Tensor]) -> Any:
+            args, kwargs = spec.rebuild(tensors)
+            with export.stepping_aside():  # selected submodules run their eager code too
+                return forward(module, *args, **kwargs)
+
+        trainable = [p for p in state.params if p.requires_grad] if grad else []
+        try:
+            result = verify.verify_call(
+                self._cls, module, run_graph, run_eager, call.tensors, trainable, grad
+            )
+        except verify.VerificationError as exc:
+            if exc.verification is not None:
+                self.verifications.append(exc.verification)
+            self._cache.fail(key, exc)
+            raise
+        self.verifications.append(result)
 
     # -- building ------------------------------------------------------------------------
     def _build(
@@ -325,6 +458,7 @@ class ModuleEngine:
                 grad,
                 torch_nodes=recipe.torch_nodes,
             )
+            self.records[-1].per_shape = self._static_shapes
         self._save(module, recipe, state, call, grad, device, base_key=persisted)
         return entry
 
@@ -360,6 +494,12 @@ class ModuleEngine:
         dynamic = not self._static_shapes
         try:
             exported = self._export(module, call, dynamic=dynamic)
+            if dynamic and self._static_shapes:
+                # The trace froze sizes: this graph serves one input shape, and ORT gets it with
+                # static shapes (its gradient builder can abort on a dynamic graph whose
+                # structure was sized for one example, e.g. a Split unrolled over time).
+                dynamic = False
+                exported = self._export(module, call, dynamic=False)
             model = _load(exported.model_bytes)
             if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
@@ -448,7 +588,7 @@ class ModuleEngine:
         )
         chosen = self._routed if routed is None else routed
         chosen = chosen | {r for r in torch_ops.default_routes(device) if self._may_route(r)}
-        return export.export_call(
+        exported = export.export_call(
             module,
             lambda *a, **k: forward(module, *a, **k),
             call.spec(),
@@ -458,6 +598,32 @@ class ModuleEngine:
             routed=chosen,
             may_route=self._may_route,
         )
+        self._judge(exported.findings)
+        return exported
+
+    def _judge(self, findings: hazards.Findings) -> None:
+        """Decide what a trace's hazards allow: none at all when forward decided something
+        from tensor values; a graph per input shape when the graph's structure follows the
+        sizes; otherwise one graph that recomputes the size-derived values it froze (checks)."""
+        found = findings.hazards
+        known = set(self.hazards)
+        self.hazards.extend(h for h in found if h not in known)
+        worst = hazards.worst(found)
+        if worst == hazards.VALUE:
+            places = "; ".join(h.describe() for h in found if h.kind == hazards.VALUE)
+            raise DataDependentError(
+                self._cls,
+                f"forward decides from tensor values, which a graph would freeze ({places})",
+                "It runs in PyTorch; compute such decisions outside the selected module, or "
+                "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
+            )
+        if findings.static and not self._static_shapes:
+            log.debug(
+                "%s: the trace froze sizes (%s); one graph per input shape",
+                self._cls,
+                "; ".join(h.describe() for h in found),
+            )
+            self._static_shapes = True
 
     def _recipe(
         self,
@@ -543,6 +709,8 @@ class ModuleEngine:
                 n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node
             ),
             torch_nodes=torch_nodes.Inventory.of(model).counts,
+            checks=exported.checks,
+            traced_shapes=call.shapes(),
         )
 
     def _instantiate(

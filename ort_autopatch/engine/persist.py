@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, graph, runtime, session, signature
+from ort_autopatch.engine import export, graph, hazards, runtime, session, signature
 from ort_autopatch.engine.state import ModuleState
 from ort_autopatch.engine.store import StoredEntry, digest, digest_bytes
 
@@ -148,6 +148,18 @@ def meta_of(recipe: Any) -> dict[str, Any] | None:
         "output_positions": spec.tensor_positions,
         "batch_norms": [list(b) for b in recipe.batch_norms],
         "seeds_dropout": recipe.seeds_dropout,
+        "checks": [
+            {
+                "expected": c.expected,
+                "kind": c.hazard.kind,
+                "what": c.hazard.what,
+                "where": c.hazard.where,
+            }
+            for c in recipe.checks
+        ],
+        "traced_shapes": None
+        if recipe.traced_shapes is None
+        else [list(shape) for shape in recipe.traced_shapes],
         "gradient": None
         if gradient is None
         else {
@@ -195,6 +207,13 @@ def recipe_from(stored: StoredEntry, cls: str) -> Any:
             output_spec=spec,
             batch_norms=[(str(b[0]), int(b[1]), int(b[2])) for b in meta["batch_norms"]],
             seeds_dropout=bool(meta["seeds_dropout"]),
+            checks=[
+                hazards.Check(c["expected"], hazards.Hazard(c["kind"], c["what"], c["where"]))
+                for c in meta.get("checks", [])
+            ],
+            traced_shapes=None
+            if meta.get("traced_shapes") is None
+            else tuple(tuple(int(d) for d in shape) for shape in meta["traced_shapes"]),
         )
     except Exception as exc:
         log.warning(

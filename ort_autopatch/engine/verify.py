@@ -1,0 +1,222 @@
+"""`--verify N`: the user's own proof that a graph gives eager's numbers on their script.
+
+The first N calls of each new graph key run twice more before the real call: once through the
+graph and once eagerly, on copies of the inputs and the same parameters, each followed by a
+backward with one fixed cotangent through `torch.autograd.grad` (so no `.grad` is touched).
+Buffers (BatchNorm statistics) and every RNG are restored after each run, so the user's state
+and random stream are exactly as without verification. Outputs and the gradients of every
+trainable parameter and input are compared; a difference beyond the tolerance is a
+`VerificationError`, which sends that key's calls to PyTorch with the reason.
+
+Graphs with random operators (dropout with p > 0, random fills) draw from ONNX Runtime's
+generator, not PyTorch's: their numbers cannot equal eager's bit for bit, so such calls are
+reported as not verified, with the operators named.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ort_autopatch.engine.errors import EngineError, FailureKind
+
+#: A difference is a mismatch beyond max|expected| * RTOL + ATOL, per tensor.
+RTOL = 1e-4
+ATOL = 1e-6
+RANDOM_OPS = frozenset(
+    {
+        "Dropout",
+        "Bernoulli",
+        "Multinomial",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+    }
+)
+
+
+class VerificationError(EngineError):
+    """A graph's numbers differ from eager PyTorch's on the user's own call."""
+
+    kind = FailureKind.UNSUPPORTED_ONNX_MODEL
+    reason = "verification mismatch"
+    verification: Verification | None = None
+
+
+@dataclass
+class Verification:
+    """One verified call (or one that could not be verified, with `unverified` saying why)."""
+
+    output_diff: float = 0.0  # worst max|graph - eager| over outputs
+    output_rel: float = 0.0  # the same relative to max|eager| of that tensor
+    grad_diff: float = 0.0
+    grad_rel: float = 0.0
+    mismatch: str | None = None  # what differed beyond tolerance
+    unverified: str | None = None
+
+
+def random_ops(model: Any) -> list[str]:
+    """Operators of an ONNX model that draw random numbers (dropout with a ratio of 0 does not)."""
+    constants = {
+        out: node for node in model.graph.node if node.op_type == "Constant" for out in node.output
+    }
+    found = set()
+    for node in model.graph.node:
+        if node.op_type not in RANDOM_OPS:
+            continue
+        if node.op_type == "Dropout" and _zero_ratio(node, constants):
+            continue
+        found.add(node.op_type)
+    return sorted(found)
+
+
+def _zero_ratio(node: Any, constants: dict[str, Any]) -> bool:
+    import onnx
+
+    if len(node.input) < 2 or not node.input[1]:
+        return True  # ratio defaults to 0.5 only when given; no ratio input: opset-7 style
+    producer = constants.get(node.input[1])
+    if producer is None:
+        return False
+    for attribute in producer.attribute:
+        if attribute.name == "value":
+            return bool((onnx.numpy_helper.to_array(attribute.t) == 0).all())
+    return False
+
+
+class _Saved:
+    """Every buffer of the module and every RNG, restored after each verification run."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        self.torch_rng = torch.random.get_rng_state()
+        self.cuda_rng = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+        self.py_rng = random.getstate()
+        np_random = sys.modules.get("numpy.random")
+        self.np_rng = np_random.get_state() if np_random is not None else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                if buffer.shape == saved.shape and not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
+        torch.random.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        np_random = sys.modules.get("numpy.random")
+        if np_random is not None and self.np_rng is not None:
+            np_random.set_state(self.np_rng)
+
+
+def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _float_leaves(output: Any) -> list[torch.Tensor]:
+    return [
+        t
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]
+
+
+def _difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, bool]:
+    """(max abs difference, relative to max|expected|, beyond tolerance?)"""
+    if actual.shape != expected.shape:
+        return float("inf"), float("inf"), True
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.numel() == 0:
+        return 0.0, 0.0, False
+    diff = float((a - e).abs().nan_to_num(nan=float("inf")).max())
+    scale = float(e.abs().max())
+    beyond = diff > scale * RTOL + ATOL
+    return diff, diff / scale if scale > 0 else diff, beyond
+
+
+def verify_call(
+    cls: str,
+    module: torch.nn.Module,
+    run_graph: Callable[[list[torch.Tensor]], Any],
+    run_eager: Callable[[list[torch.Tensor]], Any],
+    inputs: Sequence[torch.Tensor],
+    trainable: Sequence[torch.Tensor],
+    grad: bool,
+) -> Verification:
+    """Run the call through the graph and eagerly, compare, restore the user's state.
+
+    `run_graph(tensors)` and `run_eager(tensors)` take the flat input tensors. Raises
+    `VerificationError` on a mismatch (the state is restored first).
+    """
+    result = Verification()
+    saved = _Saved(module)
+    try:
+        sides = []
+        for run in (run_graph, run_eager):
+            copies = _copies(inputs)
+            with torch.enable_grad() if grad else torch.no_grad():
+                output = run(copies)
+            saved.restore()
+            leaves = _float_leaves(output)
+            gradients: list[torch.Tensor | None] = []
+            if grad:
+                targets = list(trainable) + [t for t in copies if t.requires_grad]
+                differentiable = [t for t in leaves if t.requires_grad]
+                if targets and differentiable:
+                    gen = torch.Generator(device="cpu").manual_seed(0)
+                    cotangents = [
+                        torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
+                        for t in differentiable
+                    ]
+                    gradients = list(
+                        torch.autograd.grad(differentiable, targets, cotangents, allow_unused=True)
+                    )
+                    saved.restore()
+            sides.append(([t.detach() for t in leaves], gradients))
+        (graph_out, graph_grads), (eager_out, eager_grads) = sides
+        if len(graph_out) != len(eager_out):
+            result.mismatch = f"{len(graph_out)} outputs, eager has {len(eager_out)}"
+        for k, (a, e) in enumerate(zip(graph_out, eager_out, strict=False)):
+            diff, rel, beyond = _difference(a, e)
+            result.output_diff, result.output_rel = (
+                max(result.output_diff, diff),
+                max(result.output_rel, rel),
+            )
+            if beyond and result.mismatch is None:
+                result.mismatch = f"output {k} differs by {diff:.3g} (relative {rel:.3g})"
+        for k, (ga, ge) in enumerate(zip(graph_grads, eager_grads, strict=False)):
+            if ga is None and ge is None:
+                continue
+            if ga is None:
+                assert ge is not None
+                ga = torch.zeros_like(ge)
+            if ge is None:
+                ge = torch.zeros_like(ga)
+            diff, rel, beyond = _difference(ga, ge)
+            result.grad_diff = max(result.grad_diff, diff)
+            result.grad_rel = max(result.grad_rel, rel)
+            if beyond and result.mismatch is None:
+                result.mismatch = f"gradient {k} differs by {diff:.3g} (relative {rel:.3g})"
+    finally:
+        saved.restore()
+    if result.mismatch is not None:
+        error = VerificationError(
+            cls,
+            f"ONNX Runtime's numbers differ from eager PyTorch's on this call: {result.mismatch}",
+            "This graph's calls run in PyTorch; report the model (ORT_AUTOPATCH_SAVE_ONNX "
+            "writes the graph)",
+        )
+        error.verification = result
+        raise error
+    return result

@@ -365,10 +365,11 @@ def checks_output(traced: list[torch.Tensor], inputs: Sequence[torch.Tensor]) ->
 
 
 def _integral(value: Any) -> bool:
-    """Sizes are integers (bools are): a float taken from sizes is checked by per-shape graphs."""
+    """Sizes are integers (bools are), and so is a float of a size (`math.sqrt(d // h)`); a
+    fractional value (`x.size(1) / 2`) is left to per-shape graphs."""
     if isinstance(value, list):
-        return all(isinstance(v, int) for v in value)
-    return isinstance(value, int)
+        return all(_integral(v) for v in value)
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
 def take_checks() -> list[tuple[torch.Tensor, Check]]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from ort_autopatch.engine import runtime, torch_nodes
+from ort_autopatch.engine import rng, runtime, torch_nodes
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.session import InferenceProgram, TrainingProgram, ort_message
 
@@ -82,9 +82,10 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _seed_dropout() -> int:
-    """Seed ORT's generator from torch's, so torch.manual_seed makes dropout reproducible."""
+    """Seed ORT's generator from the tool's stream (`rng`): torch.manual_seed makes dropout
+    reproducible, and the user's generator is never drawn from."""
     _, capi = runtime.load()
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    seed = rng.next_seed()
     capi.set_seed(seed)
     return seed
 
@@ -231,10 +232,15 @@ class TrainingCall(torch.autograd.Function):
             # when backward never comes (an output nobody backpropagates)
             weakref.finalize(ctx.run, torch_nodes.release, contexts)
         ctx.set_materialize_grads(False)
-        # Saved only for autograd's version check: an in-place write to a parameter between
-        # forward and backward raises as in eager instead of silently using the new values.
-        ctx.save_for_backward(*(feeds[k] for k in saved))
-        return _user_outputs(ctx, program, step, outputs)
+        user = _user_outputs(ctx, program, step, outputs)
+        # Saved only for autograd's version check: the backward pass reads these buffers (ORT
+        # shares them with PyTorch), so an in-place write to one of them before backward
+        # raises eager's error instead of silently changing the gradients. Saved after the
+        # BatchNorm statistics update, which writes buffers the graph read.
+        ctx.save_for_backward(
+            *(feeds[k] for k in saved), *(user[k] for k in program.backward_reads_outputs)
+        )
+        return user
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

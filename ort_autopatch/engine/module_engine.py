@@ -22,6 +22,7 @@ from ort_autopatch.engine import (
     export,
     graph,
     hazards,
+    rng,
     session,
     signature,
     torch_nodes,
@@ -705,9 +706,7 @@ class ModuleEngine:
             num_user_outputs=num_user_outputs,
             output_spec=exported.output_spec,
             batch_norms=batch_norms,
-            seeds_dropout=any(
-                n.op_type == "Dropout" and len(n.input) >= 3 for n in model.graph.node
-            ),
+            seeds_dropout=rng.draws_per_run(model),
             torch_nodes=torch_nodes.Inventory.of(model).counts,
             checks=exported.checks,
             traced_shapes=call.shapes(),
@@ -743,11 +742,7 @@ class ModuleEngine:
             )
             recipe.optimized = recipe.optimized or program.optimized
             feeds = [locate(n) for n in program.feed_names]
-            saved = tuple(
-                k
-                for k, (is_user, i) in enumerate(feeds)
-                if program.grad_index[k] >= 0 and not is_user and state.is_param[i]
-            )
+            saved = program.backward_reads_feeds
             return _Entry(True, program, step, feeds, saved, recipe.output_spec, recipe)
         program = session.build_inference(
             recipe.optimized or recipe.forward_model,

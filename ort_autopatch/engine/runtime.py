@@ -85,6 +85,9 @@ def _import() -> tuple[ModuleType, ModuleType]:
     finally:
         if hide and sys.modules.get("onnxruntime.training", 0) is None:
             del sys.modules["onnxruntime.training"]
+    # ORT's C++ logger writes straight to stderr (warnings about unassigned nodes, kernel
+    # errors before they are raised); those errors reach users through the tool's messages.
+    onnxruntime.set_default_logger_severity(4)
     if not hasattr(capi, "OrtModuleGraphBuilder"):
         reason = unavailable_reason() or "the installed onnxruntime has no training support"
         raise RuntimeUnavailableError("", reason, "Install a training build")

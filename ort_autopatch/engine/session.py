@@ -8,13 +8,13 @@ import os
 import re
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ort_autopatch.engine import runtime
+from ort_autopatch.engine import rng, runtime
 from ort_autopatch.engine.errors import (
     GradientBuildError,
     SessionError,
@@ -45,11 +45,17 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
         # backward pass would overwrite a loss or logits the user still holds.
         options.enable_mem_pattern = False
         options.enable_mem_reuse = False
-    options.use_deterministic_compute = torch.are_deterministic_algorithms_enabled()
+    # ORT's CPU arena never gives memory back: tensors handed to PyTorch return to the arena
+    # when PyTorch frees them, and with inputs of varying size it grows step after step (3 GiB
+    # a step with 1 GiB inputs). Plain allocations are freed when the step's tensors are.
+    options.enable_cpu_mem_arena = False
+    # Same seed, same numbers: ORT's kernels take their deterministic path, whatever
+    # torch.use_deterministic_algorithms says (PyTorch's CPU kernels already are).
+    options.use_deterministic_compute = True
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.intra_op_num_threads = settings.threads or torch.get_num_threads()
     options.inter_op_num_threads = 1
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors reach users through the tool's messages
     # Spinning threads would burn the cores PyTorch needs between ORT calls.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -102,6 +108,8 @@ def _session(
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ort_autopatch-"))
             target = os.path.join(folder, "optimized.onnx")
             options.optimized_model_filepath = target
+        # Random kernels other than dropout seed their generator as the session starts.
+        rng.seed_runtime(runtime.capi(), "session")
         try:
             session = ort.InferenceSession(model_bytes, options, providers)
         except Exception as exc:
@@ -180,6 +188,10 @@ class TrainingProgram:
     full_shape_grads: frozenset[int]
     # for each feed, the index of its gradient among backward outputs, or -1
     grad_index: list[int]
+    # feeds and user outputs whose buffers the backward pass reads (directly or through an
+    # aliasing view): autograd checks their versions as it checks eager's saved tensors
+    backward_reads_feeds: tuple[int, ...] = ()
+    backward_reads_outputs: tuple[int, ...] = ()
     optimized: bytes | None = None  # ORT's optimised graph, when asked to capture it
 
 
@@ -288,6 +300,8 @@ def build_training(
         ) from exc
     position = {name: k for k, name in enumerate(bw_fetches)}
     grad_index = [position.get(gradient.grad_of.get(name, ""), -1) for name in fw_feeds]
+    read = backward_reads(proto.graph)
+    yielded = next((list(n.input) for n in proto.graph.node if n.op_type == "YieldOp"), [])
     return TrainingProgram(
         agent=agent,
         session=session,
@@ -296,8 +310,64 @@ def build_training(
         non_differentiable=frozenset(gradient.non_differentiable),
         full_shape_grads=frozenset(gradient.full_shape_grads),
         grad_index=grad_index,
+        backward_reads_feeds=tuple(k for k, name in enumerate(fw_feeds) if read(name)),
+        backward_reads_outputs=tuple(
+            k for k, name in enumerate(yielded[: gradient.num_outputs]) if read(name)
+        ),
         optimized=captured,
     )
+
+
+#: Operators whose output ONNX Runtime's CPU kernels may place in their input's buffer.
+_ALIASING_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def backward_reads(graph: Any) -> Callable[[str], bool]:
+    """Whether the backward half of a gradient graph reads a value's buffer.
+
+    The forward half is every node the `YieldOp` depends on; every other node runs in
+    backward. A value counts as read when it, or a value sharing its buffer through an
+    aliasing operator, is an input of a backward node.
+    """
+    nodes = list(graph.node)
+    producer = {out: k for k, node in enumerate(nodes) for out in node.output}
+    yield_at = next((k for k, n in enumerate(nodes) if n.op_type == "YieldOp"), None)
+    if yield_at is None:
+        return lambda name: False
+    forward: set[int] = set()
+    pending = list(nodes[yield_at].input)
+    while pending:
+        k = producer.get(pending.pop(), -1)
+        if k >= 0 and k not in forward:
+            forward.add(k)
+            pending.extend(_node_inputs(nodes[k]))
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.get(name, name) != name:
+            name = parent[name]
+        return name
+
+    for node in nodes:
+        if node.op_type in _ALIASING_OPS and node.input and node.output:
+            parent[root(node.output[0])] = root(node.input[0])
+    read = {
+        root(name)
+        for k, node in enumerate(nodes)
+        if k != yield_at and k not in forward
+        for name in _node_inputs(node)
+    }
+    return lambda name: root(name) in read
+
+
+def _node_inputs(node: Any) -> list[str]:
+    """A node's inputs, with the outer values its subgraphs (If, Loop, Scan) use."""
+    names = [n for n in node.input if n]
+    for attribute in node.attribute:
+        for sub in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
+            for inner in sub.node:
+                names.extend(_node_inputs(inner))
+    return names
 
 
 def ort_message(exc: BaseException) -> str:

@@ -1,0 +1,115 @@
+"""The tool's own random stream: seeds for ONNX Runtime's random operators that never draw
+from the user's generator, yet follow `torch.manual_seed`.
+
+Eager PyTorch draws dropout masks from torch's default generator; ORT draws them from its own.
+Seeding ORT by drawing from torch's generator (what ORTModule does) shifts every later
+`torch.randint`/`randn` of the user's script, so batches sampled after a step, the initial
+weights of a second model and text sampled after training all differ from a run without the
+tool. Instead each seed is derived, without drawing, from the state of torch's default
+generator and from how many seeds were taken since that state last changed (or since the last
+`torch.manual_seed`, which a transparent wrapper reports: a reseed to the very state the stream
+was in is otherwise invisible): the same script with the same `torch.manual_seed` gets the same
+seeds, in one process or in two, and the user's stream stays exactly where eager leaves it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: Operators that draw random numbers at run time. `Dropout` (and ORT's own dropout variants)
+#: read ORT's global generator at every run; the others seed a generator of their own when
+#: their session is created.
+PER_RUN_OPS = frozenset({"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"})
+PER_SESSION_OPS = frozenset(
+    {
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
+    }
+)
+RANDOM_OPS = PER_RUN_OPS | PER_SESSION_OPS
+
+_lock = threading.Lock()
+#: per stream ("run", "session", ...): the generator state last seen, seeds taken since
+_position: dict[str, tuple[bytes, int]] = {}
+
+
+def has_random_op(model: Any) -> bool:
+    """Whether an ONNX model (or graph) holds an operator that draws random numbers."""
+    graph = getattr(model, "graph", model)
+    return any(node.op_type in RANDOM_OPS for node in graph.node)
+
+
+def draws_per_run(model: Any) -> bool:
+    """Whether a run of this model reads ORT's global generator (a `Dropout` given a
+    `training_mode` input), so each run must be seeded first."""
+    graph = getattr(model, "graph", model)
+    return any(
+        node.op_type in PER_RUN_OPS and (node.op_type != "Dropout" or len(node.input) >= 3)
+        for node in graph.node
+    )
+
+
+def next_seed(stream: str = "run") -> int:
+    """A 63-bit seed; torch's default generator is read, never advanced.
+
+    Streams are independent, so seeds taken for session starts (which happen on a cache miss
+    only) do not shift the seeds of later runs.
+    """
+    _watch_manual_seed()
+    state = torch.default_generator.get_state().numpy().tobytes()
+    with _lock:
+        last, taken = _position.get(stream, (b"", 0))
+        if state != last:
+            taken = 0
+        _position[stream] = (state, taken + 1)
+    data = state + stream.encode() + taken.to_bytes(8, "little")
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh torch generator seeded from the tool's stream, for random draws made by torch
+    on the tool's behalf (torch-calling nodes inside a graph): the user's stream stays as is."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(next_seed("torch"))
+    return gen
+
+
+def seed_runtime(capi: Any, stream: str = "run") -> None:
+    """Seed ORT's global generator: before each run of a graph with dropout ("run"), and
+    before a session starts ("session"), when other random kernels seed their own."""
+    capi.set_seed(next_seed(stream))
+
+
+def reset() -> None:
+    """Start the stream over, as `torch.manual_seed` does for torch's."""
+    with _lock:
+        _position.clear()
+
+
+def _watch_manual_seed() -> None:
+    """Make `torch.manual_seed` (the one name scripts, Lightning and transformers call) also
+    restart the tool's stream; it behaves as before in every other respect."""
+    original: Callable[..., Any] = torch.manual_seed
+    if getattr(original, "_ort_autopatch_reseeds", False):
+        return
+
+    @functools.wraps(original)
+    def manual_seed(seed: int) -> Any:
+        result = original(seed)
+        reset()
+        return result
+
+    manual_seed._ort_autopatch_reseeds = True  # type: ignore[attr-defined]
+    torch.manual_seed = manual_seed
+    torch.random.manual_seed = manual_seed

@@ -44,8 +44,10 @@ ENV_REPORTER = "ORT_AUTOPATCH_REPORTER_RANK"
 _log = logging.getLogger("ort_autopatch")
 _lock = threading.Lock()
 _activated = False
-# torchrun's elastic agent imports this; in a process without RANK it means "my ranks report".
-_AGENT_MODULE = "torch.distributed.elastic.agent.server.api"
+# What torchrun's agent runs to start its ranks. Not the elastic agent's own modules:
+# transformers 5 (through accelerate) imports those in every process.
+_LAUNCHER_MODULE = "torch.distributed.launcher.api"
+_RUN_MODULE = "torch.distributed.run"
 
 
 def current_rank() -> int | None:
@@ -55,6 +57,19 @@ def current_rank() -> int | None:
         return int(raw) if raw else None
     except ValueError:
         return None
+
+
+def is_torchrun_agent() -> bool:
+    """Whether this process is torchrun's agent (`torchrun` or `python -m
+    torch.distributed.run`), which starts the ranks and owes no report of its own."""
+    if _LAUNCHER_MODULE in sys.modules:
+        return True  # elastic_launch ran (or is about to): this process launches ranks
+    run = sys.modules.get(_RUN_MODULE)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return run is not None and (
+        getattr(spec, "name", None) == _RUN_MODULE or getattr(main, "main", None) is run.main
+    )
 
 
 def is_multiprocessing_helper() -> bool:
@@ -151,7 +166,7 @@ def _at_exit(config: Config, pid: int, rank: int | None) -> None:
     try:
         if os.getpid() != pid:
             return  # an os.fork()ed child running the parent's atexit handlers
-        if rank is None and _AGENT_MODULE in sys.modules:
+        if rank is None and is_torchrun_agent():
             return  # torchrun's agent: its ranks write their own reports
         finish_report(config, rank)
     except Exception:

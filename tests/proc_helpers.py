@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from collections.abc import Mapping, Sequence
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
 LAUNCHER = (PY, "-m", "ort_autopatch")
+#: A line of ONNX Runtime's C++ logger (`2026-01-01 00:00:00.0 [W:onnxruntime:, file.cc:1 f] ...`).
+ORT_LOG_LINE = re.compile(r"^.*\[[VIWEF]:onnxruntime:.*$", re.M)
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -33,7 +36,7 @@ def run(
     env: Mapping[str, str] | None = None,
     timeout: float = 60,
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    done = subprocess.run(
         list(args),
         cwd=cwd,
         env=clean_env(env),
@@ -41,6 +44,9 @@ def run(
         text=True,
         timeout=timeout,
     )
+    found = ORT_LOG_LINE.search(done.stderr or "")
+    assert found is None, f"ONNX Runtime's C++ logger wrote to stderr: {found[0]}"
+    return done
 
 
 def free_port() -> int:

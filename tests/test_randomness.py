@@ -160,3 +160,87 @@ def test_manual_seed_keeps_behaving_as_torch_s() -> None:
     generator = torch.Generator().manual_seed(7)
     assert torch.equal(ours, torch.rand(4, generator=generator))
     assert torch.initial_seed() == 7
+
+
+def test_gpt_with_gradient_accumulation_sampling_after_each_forward_gives_eager_losses() -> None:
+    """nanoGPT's loop: the next batch is sampled between forward and backward, so any draw
+    from torch's stream inside a step would change every later batch."""
+    from tests.reliability.models import TinyLM
+
+    def train() -> list[float]:
+        torch.manual_seed(0)
+        model = TinyLM()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.randint(0, 97, (4096,))
+
+        def batch() -> torch.Tensor:
+            starts = torch.randint(0, len(data) - 17, (4,))
+            return torch.stack([data[s : s + 17] for s in starts])
+
+        ids, losses = batch(), []
+        for _ in range(3):
+            for _ in range(2):  # gradient accumulation
+                loss = model(ids) / 2
+                ids = batch()  # sampled while the step's graph is alive
+                loss.backward()
+                losses.append(float(loss))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses
+
+    expected = train()
+    patcher.patch(TinyLM)
+    actual = train()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    assert _ort_calls(TinyLM) == 6
+
+
+RECURRENT_SCRIPT = """
+import hashlib, json
+import torch
+from torch import nn
+from ort_autopatch import patcher, report
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+patcher.patch(Recurrent)
+digest = hashlib.sha256()
+for kind in ("LSTM", "GRU"):
+    torch.manual_seed(0)
+    model = Recurrent(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        loss = model(torch.randn(8, 10 + step, 16)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        digest.update(loss.detach().numpy().tobytes())
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+calls = report.stats_for(patcher.class_name(Recurrent)).ort_calls
+print(json.dumps({"digest": digest.hexdigest(), "ort_calls": calls}))
+"""
+
+
+def test_two_runs_of_lstm_and_gru_models_with_one_seed_are_bit_identical() -> None:
+    import json
+
+    from tests.proc_helpers import PY, run
+
+    results = []
+    for _ in range(2):
+        done = run([PY, "-c", RECURRENT_SCRIPT], env={"OMP_NUM_THREADS": "2"}, timeout=180)
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert results[0]["ort_calls"] == 8
+    assert results[0] == results[1]

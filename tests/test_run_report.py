@@ -124,3 +124,60 @@ def test_clear_cache_without_a_folder_says_how_to_name_one(tmp_path: Path) -> No
     )
     assert result.returncode == 2
     assert "--cache-dir" in result.stderr and "ORT_AUTOPATCH_CACHE_DIR" in result.stderr
+
+
+LIBRARY_SCRIPT = """
+import importlib, json, sys
+import torch
+from torch import nn
+
+imported = {}
+for name in ("transformers", "accelerate", "lightning", "pytorch_lightning"):
+    try:
+        imported[name] = importlib.import_module(name).__version__
+    except ImportError:
+        pass
+import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (transformers 5: elastic agent modules)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+net = Net()
+for _ in range(2):
+    net(torch.randn(3, 4)).sum().backward()
+print(json.dumps(imported))
+"""
+
+
+def test_the_report_is_written_with_transformers_accelerate_and_lightning_imported(
+    tmp_path: Path,
+) -> None:
+    """transformers 5 imports torchrun's elastic-agent modules in every process; the report
+    must still be written (only torchrun's own agent leaves it to its ranks)."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LIBRARY_SCRIPT))
+    report = tmp_path / "report.json"
+    options = ["--modules", "__main__:Net", "--report", str(report)]
+    done = subprocess.run(
+        [sys.executable, "-m", "ort_autopatch", *options, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "transformers" in imported
+    data = json.loads(report.read_text())
+    assert data["classes"]["__main__:Net"]["ort_calls"] == 2, data

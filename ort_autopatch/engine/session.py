@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import rng, runtime
+from ort_autopatch.engine import rng, runtime, sandbox
 from ort_autopatch.engine.errors import (
     GradientBuildError,
     SessionError,
     UnsupportedDeviceError,
+    UnsupportedInputError,
 )
 
 
@@ -215,8 +216,9 @@ def build_gradient(
     from ort_autopatch.engine import graph as graph_passes
 
     _, capi = runtime.load()
+    model = onnx.load_from_string(model_bytes)
+    _refuse_dtypes(model, cls)
     if extra_outputs:
-        model = onnx.load_from_string(model_bytes)
         kept = [o for o in model.graph.output if o.name not in set(extra_outputs)]
         del model.graph.output[:]
         model.graph.output.extend(kept)
@@ -235,25 +237,37 @@ def build_gradient(
     cast.strategy = capi.PropagateCastOpsStrategy.FLOOD_FILL
     transformer.propagate_cast_ops_config = cast
     transformer.enable_compute_optimizer = True
-    builder = capi.OrtModuleGraphBuilder()
-    try:
+
+    def build() -> tuple[bytes, _GraphInfo]:
+        builder = capi.OrtModuleGraphBuilder()
         builder.initialize(model_bytes, config)
         builder.build(transformer)
-    except Exception as exc:
+        return builder.get_gradient_model(), _GraphInfo.of(builder.get_graph_info())
+
+    remedy = (
+        "An operator has no gradient in ONNX Runtime 1.19.2; run this class eagerly "
+        "(the default fallback policy does) or exclude it"
+    )
+    try:
+        # In a forked child: ORT's gradient builder aborts the process on some graphs
+        # (`torch.diagonal`'s export: a failed libstdc++ assertion), which no fallback catches.
+        gradient_model, info = sandbox.run(build)
+    except sandbox.Crashed as exc:
         raise GradientBuildError(
             cls,
-            f"no gradient graph ({ort_message(exc)})",
-            "An operator has no gradient in ONNX Runtime 1.19.2; run this class eagerly "
-            "(the default fallback policy does) or exclude it",
-        ) from exc
-    info = builder.get_graph_info()
-    gradient_model = builder.get_gradient_model()
+            f"ONNX Runtime's gradient builder crashed on this graph ({exc})",
+            "Run this class eagerly (the default fallback policy does) and report the model",
+        ) from None
+    except sandbox.ChildError as exc:
+        raise GradientBuildError(cls, f"no gradient graph ({ort_message(exc)})", remedy) from None
+    except Exception as exc:
+        raise GradientBuildError(cls, f"no gradient graph ({ort_message(exc)})", remedy) from exc
     num_forward_outputs = len(info.user_output_names) + len(info.frontier_node_arg_map)
     if extra_outputs:
         proto = onnx.load_from_string(gradient_model)
         num_forward_outputs = graph_passes.yield_extra_outputs(proto, list(extra_outputs))
         gradient_model = proto.SerializeToString()
-    grad_of: dict[str, str] = dict(info.user_input_grad_names)
+    grad_of = dict(info.user_input_grad_names)
     grad_of.update(
         zip(info.initializer_names_to_train, info.initializer_grad_names_to_train, strict=True)
     )
@@ -265,6 +279,71 @@ def build_gradient(
         full_shape_grads=list(info.output_grad_indices_require_full_shape),
         grad_of=grad_of,
     )
+
+
+@dataclass
+class _GraphInfo:
+    """The part of ORT's graph info the engine uses, as plain data (it crosses a pipe)."""
+
+    user_output_names: list[str]
+    frontier_node_arg_map: dict[str, str]
+    user_input_grad_names: dict[str, str]
+    initializer_names_to_train: list[str]
+    initializer_grad_names_to_train: list[str]
+    output_grad_indices_non_differentiable: list[int]
+    output_grad_indices_require_full_shape: list[int]
+
+    @classmethod
+    def of(cls, info: Any) -> _GraphInfo:
+        return cls(
+            list(info.user_output_names),
+            dict(info.frontier_node_arg_map),
+            dict(info.user_input_grad_names),
+            list(info.initializer_names_to_train),
+            list(info.initializer_grad_names_to_train),
+            list(info.output_grad_indices_non_differentiable),
+            list(info.output_grad_indices_require_full_shape),
+        )
+
+
+#: ONNX element types ORT 1.19.2 has too few gradient kernels for: double (SplitTraining,
+#: ReluGrad, ... fail at the first backward) and the complex types.
+_UNTRAINABLE_TYPES = {11: "float64", 14: "complex64", 15: "complex128"}
+
+
+def _refuse_dtypes(model: Any, cls: str) -> None:
+    """Refuse, before any build, a training graph whose parameters, inputs or outputs have a
+    dtype ORT cannot differentiate. Internal float64 scalars (transformers' attention scaling
+    constants) and inputs only cast to float32 are fine."""
+    found: dict[str, list[str]] = {}
+    consumers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def cast_away(value: str) -> bool:
+        """Only cast to a trainable type (a float32 model fed float64 inputs)."""
+        return all(
+            n.op_type == "Cast" and not any(a.i in _UNTRAINABLE_TYPES for a in n.attribute)
+            for n in consumers.get(value, [])
+        )
+
+    inputs = [v for v in model.graph.input if not cast_away(v.name)]
+    for value in [*inputs, *model.graph.output]:
+        name = _UNTRAINABLE_TYPES.get(value.type.tensor_type.elem_type)
+        if name is not None:
+            found.setdefault(name, []).append(value.name)
+    if found:
+        what = "; ".join(
+            f"{dtype} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+            for dtype, names in found.items()
+        )
+        raise UnsupportedInputError(
+            cls,
+            f"training with {what}: ONNX Runtime 1.19.2 lacks {'/'.join(found)} gradient "
+            "kernels for common operators (Concat's SplitTraining, ReluGrad)",
+            "Train in float32, or keep the default fallback policy (PyTorch runs this dtype)",
+        )
 
 
 def build_training(

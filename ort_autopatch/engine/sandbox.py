@@ -1,0 +1,125 @@
+"""Running a step that may abort the process (ONNX Runtime's gradient builder asserts on some
+graphs) in a forked child, where an abort costs a fallback instead of the user's training run."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: A child still running after this long is presumed stuck (a lock held by another thread at
+#: fork time) and killed; the step then runs in this process.
+TIMEOUT_SECONDS = 600.0
+
+
+class Crashed(Exception):
+    """The child died: `signal_name` says how, `detail` is the last line it wrote to stderr."""
+
+    def __init__(self, signal_name: str, detail: str) -> None:
+        self.signal_name = signal_name
+        self.detail = detail
+        super().__init__(f"{signal_name}: {detail}" if detail else signal_name)
+
+
+class _Failed:
+    """An exception raised in the child, carried back as its type name and message."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.type_name = type(exc).__name__
+        self.message = str(exc)
+
+
+class ChildError(Exception):
+    """The step raised in the child; the message is the child's."""
+
+
+def available() -> bool:
+    """fork exists and is safe enough here (Linux; macOS frameworks break after fork)."""
+    return hasattr(os, "fork") and sys.platform.startswith("linux")
+
+
+def run(step: Callable[[], T]) -> T:
+    """`step()` in a forked child; its result comes back pickled.
+
+    Raises `Crashed` when the child dies from a signal, `ChildError` when `step` raised there.
+    Falls back to running `step` here when forking is not possible or the child hangs.
+    """
+    if not available():
+        return step()
+    result_read, result_write = os.pipe()
+    error_read, error_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        _child(step, result_read, result_write, error_read, error_write)
+    os.close(result_write)
+    os.close(error_write)
+    try:
+        payload, stderr_text, status = _collect(pid, result_read, error_read)
+    finally:
+        os.close(result_read)
+        os.close(error_read)
+    if status is None:
+        return step()  # stuck child, killed: this process builds after all
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        lines = [line.strip() for line in stderr_text.splitlines() if line.strip()]
+        raise Crashed(name, lines[-1][-300:] if lines else "")
+    value: Any = pickle.loads(payload) if payload else _Failed(RuntimeError(stderr_text[-300:]))
+    if isinstance(value, _Failed):
+        raise ChildError(f"{value.type_name}: {value.message}")
+    result: T = value
+    return result
+
+
+def _child(
+    step: Callable[[], Any], result_read: int, result_write: int, error_read: int, error_write: int
+) -> None:
+    code = 0
+    try:
+        os.close(result_read)
+        os.close(error_read)
+        os.dup2(error_write, 2)  # assertion messages come back as the crash's detail
+        faulthandler.disable()  # its dump of a crash would go to the user's stderr
+        try:
+            value: Any = step()
+        except BaseException as exc:  # everything goes back to the parent
+            value = _Failed(exc)
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(result_write, view) :]
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _collect(pid: int, result_read: int, error_read: int) -> tuple[bytes, str, int | None]:
+    """Read both pipes until the child closes them, then reap it; None status if it hung."""
+    chunks: list[bytes] = []
+    errors: list[bytes] = []
+    open_fds = {result_read: chunks, error_read: errors}
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return b"", "", None
+        ready, _, _ = select.select(list(open_fds), [], [], left)
+        for fd in ready:
+            data = os.read(fd, 1 << 20)
+            if data:
+                open_fds[fd].append(data)
+            else:
+                del open_fds[fd]
+    _, status = os.waitpid(pid, 0)
+    return b"".join(chunks), b"".join(errors).decode(errors="replace"), status

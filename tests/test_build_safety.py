@@ -1,0 +1,138 @@
+"""Graphs ONNX Runtime cannot train fall back before they can hurt: unsupported dtypes are
+refused with the dtype named, and a gradient builder that aborts takes only a child with it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch import patcher, report
+from ort_autopatch.engine import sandbox
+from tests.helpers import assert_close
+
+
+class TwoBranch(nn.Module):
+    """A concat: its gradient (SplitTraining) has no float64 kernel in ORT 1.19.2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.cat([self.a(x), self.b(x)], -1))
+
+
+class Diagonal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.diagonal(self.fc(x), dim1=-2, dim2=-1).sum()
+
+
+@pytest.fixture(autouse=True)
+def _patched() -> Iterator[None]:
+    report.reset()
+    for cls in (TwoBranch, Diagonal):
+        patcher.patch(cls)
+    yield
+    patcher.unpatch_all()
+
+
+def _stats(cls: type) -> report.ClassStats:
+    return report.stats_for(patcher.class_name(cls))
+
+
+def _train_both(cls: type, dtype: torch.dtype, steps: int = 3) -> None:
+    """Train a patched model and an unpatched copy; every step must equal eager's."""
+    torch.manual_seed(0)
+    ours = cls().to(dtype)
+    eager = cls().to(dtype)
+    eager.load_state_dict(ours.state_dict())
+    patched_call = cls.__call__
+    for step in range(steps):
+        x = torch.randn(8, 8, dtype=dtype)
+        actual = ours(x)
+        actual.square().sum().backward()
+        expected = nn.Module.__call__(eager, x)
+        expected.square().sum().backward()
+        assert cls.__call__ is patched_call
+        assert_close(actual, expected, f"step {step} output")
+        for (name, p), q in zip(ours.named_parameters(), eager.parameters(), strict=True):
+            assert_close(p.grad, q.grad, f"step {step} grad of {name}")
+
+
+def test_float64_concat_falls_back_with_the_dtype_in_the_reason() -> None:
+    _train_both(TwoBranch, torch.float64)
+    stats = _stats(TwoBranch)
+    assert stats.ort_calls == 0
+    (reason, detail), count = next(iter(stats.fallbacks.items()))
+    assert "float64" in detail and count == 3, stats.fallbacks
+    assert stats.eager_calls[f"fallback: {reason}"] == 3
+
+
+def test_float32_concat_still_trains_in_ort() -> None:
+    _train_both(TwoBranch, torch.float32)
+    assert _stats(TwoBranch).ort_calls == 3
+
+
+def test_float64_eval_runs_in_ort() -> None:
+    torch.manual_seed(0)
+    model = TwoBranch().double().eval()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        actual = model(x)
+        expected = nn.Module.__call__(model, x)
+    assert_close(actual, expected, "float64 eval output")
+    assert _stats(TwoBranch).ort_calls == 1
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="the gradient build runs in a forked child")
+def test_torch_diagonal_survives_the_gradient_builder_abort_and_equals_eager(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """ORT's gradient builder aborts (a libstdc++ assertion) on the dynamic-shape export of
+    `torch.diagonal`: only the forked child dies; the engine then builds per input shape."""
+    _train_both(Diagonal, torch.float32)
+    stats = _stats(Diagonal)
+    assert stats.ort_calls == 3, stats
+    assert "Assertion" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_sandbox_reports_an_abort_with_its_signal_and_message() -> None:
+    def abort() -> None:
+        os.write(2, b"some_file.h:12: Assertion 'n < size' failed.\n")
+        os.abort()
+
+    with pytest.raises(sandbox.Crashed) as caught:
+        sandbox.run(abort)
+    assert caught.value.signal_name == "SIGABRT"
+    assert "Assertion 'n < size' failed" in caught.value.detail
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_sandbox_returns_results_and_carries_errors_back() -> None:
+    assert sandbox.run(lambda: {"model": b"x" * 3_000_000})["model"] == b"x" * 3_000_000
+    with pytest.raises(sandbox.ChildError, match="ZeroDivisionError"):
+        sandbox.run(lambda: 1 / 0)
+
+
+def test_a_crashed_gradient_build_falls_back_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def crash(step: object) -> object:
+        raise sandbox.Crashed("SIGABRT", "Assertion '__n < this->size()' failed.")
+
+    monkeypatch.setattr(sandbox, "run", crash)
+    _train_both(TwoBranch, torch.float32)
+    stats = _stats(TwoBranch)
+    assert stats.ort_calls == 0
+    (_, detail), _ = next(iter(stats.fallbacks.items()))
+    assert "gradient builder crashed" in detail and "SIGABRT" in detail, stats.fallbacks

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils import dlpack
 
+from ort_autopatch.engine import rng
+
 log = logging.getLogger("ort_autopatch")
 
 DOMAIN = "com.microsoft"
@@ -320,19 +322,11 @@ def release(contexts: Sequence[Context]) -> None:
 
 
 def default_seed() -> int:
-    """A seed from the tool's own generator, reseeded from `torch.initial_seed()`: random ops
-    in graphs are reproducible under `torch.manual_seed` and leave the user's stream alone."""
-    global _generator, _generator_seed
-    initial = torch.initial_seed()
-    with _lock:
-        if _generator is None or _generator_seed != initial:
-            _generator = torch.Generator().manual_seed(initial ^ 0x5EED)
-            _generator_seed = initial
-        return int(torch.randint(0, 2**62, (), generator=_generator))
+    """A seed from the tool's own stream (`rng`): random ops in graphs are reproducible under
+    `torch.manual_seed` and leave the user's stream alone."""
+    return rng.next_seed("torch")
 
 
-_generator: torch.Generator | None = None
-_generator_seed: int | None = None
 #: Where random torch-calling nodes get their seed (the engine's generator owner may rebind it).
 seed_source: Callable[[], int] = default_seed
 

@@ -3,10 +3,8 @@ PyTorch's autograd."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,7 +266,7 @@ class RecomputingTrainingCall(torch.autograd.Function):
         *feeds: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         seed = _seed_dropout() if step.seeds_dropout else None
-        with _node_seeds(None) as drawn:
+        with torch_nodes.recorded_seeds(None) as drawn:
             _, outputs, contexts = _run_forward(program, step, feeds)
         torch_nodes.release(contexts)  # ORT's state is dropped here: no backward from it
         ctx.program = program
@@ -286,7 +284,7 @@ class RecomputingTrainingCall(torch.autograd.Function):
         seed, drawn = ctx.seeds
         if seed is not None:
             runtime.load()[1].set_seed(seed)
-        with _node_seeds(drawn):
+        with torch_nodes.recorded_seeds(drawn):
             state, outputs, contexts = _run_forward(program, ctx.step, feeds)
         try:
             run = _RunState(state, _output_info(outputs))
@@ -294,27 +292,3 @@ class RecomputingTrainingCall(torch.autograd.Function):
         finally:
             torch_nodes.release(contexts)
         return (None, None, None, *grads)
-
-
-@contextlib.contextmanager
-def _node_seeds(replay: list[int] | None) -> Iterator[list[int]]:
-    """Record the seeds this thread's random torch-calling nodes draw in one forward, or hand
-    them the recorded ones again (the recomputed forward must make the same draws)."""
-    previous = torch_nodes.seed_source
-    thread = threading.get_ident()
-    drawn: list[int] = []
-    again = iter(replay) if replay is not None else None
-
-    def source() -> int:
-        if threading.get_ident() != thread:
-            return previous()
-        seed = next(again, None) if again is not None else None
-        seed = previous() if seed is None else seed
-        drawn.append(seed)
-        return seed
-
-    torch_nodes.seed_source = source
-    try:
-        yield drawn
-    finally:
-        torch_nodes.seed_source = previous

@@ -43,12 +43,6 @@ _lock = threading.Lock()
 _position: dict[str, tuple[bytes, int]] = {}
 
 
-def has_random_op(model: Any) -> bool:
-    """Whether an ONNX model (or graph) holds an operator that draws random numbers."""
-    graph = getattr(model, "graph", model)
-    return any(node.op_type in RANDOM_OPS for node in graph.node)
-
-
 def draws_per_run(model: Any) -> bool:
     """Whether a run of this model reads ORT's global generator (a `Dropout` given a
     `training_mode` input), so each run must be seeded first."""
@@ -75,14 +69,6 @@ def next_seed(stream: str = "run") -> int:
     data = state + stream.encode() + taken.to_bytes(8, "little")
     digest = hashlib.blake2b(data, digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def generator(device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh torch generator seeded from the tool's stream, for random draws made by torch
-    on the tool's behalf (torch-calling nodes inside a graph): the user's stream stays as is."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(next_seed("torch"))
-    return gen
 
 
 def seed_runtime(capi: Any, stream: str = "run") -> None:

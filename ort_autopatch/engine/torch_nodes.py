@@ -321,19 +321,39 @@ def release(contexts: Sequence[Context]) -> None:
         ctx.clear()
 
 
-def default_seed() -> int:
+_seeds = threading.local()
+
+
+@contextlib.contextmanager
+def recorded_seeds(replay: list[int] | None = None) -> Iterator[list[int]]:
+    """Record the seeds this thread's random nodes draw during one forward, or hand them the
+    recorded ones again (a recomputed forward must make the same draws). Thread-local: other
+    threads' calls keep drawing from the tool's stream."""
+    outer = getattr(_seeds, "current", None)
+    drawn: list[int] = []
+    _seeds.current = (drawn, iter(replay) if replay is not None else None)
+    try:
+        yield drawn
+    finally:
+        _seeds.current = outer
+
+
+def _next_seed() -> int:
     """A seed from the tool's own stream (`rng`): random ops in graphs are reproducible under
     `torch.manual_seed` and leave the user's stream alone."""
-    return rng.next_seed("torch")
-
-
-#: Where random torch-calling nodes get their seed (the engine's generator owner may rebind it).
-seed_source: Callable[[], int] = default_seed
+    current = getattr(_seeds, "current", None)
+    again = current[1] if current is not None else None
+    seed = next(again, None) if again is not None else None
+    if seed is None:
+        seed = rng.next_seed("torch")
+    if current is not None:
+        current[0].append(seed)
+    return seed
 
 
 def _seeded(call: Callable[..., Any], values: list[Any], inputs: list[torch.Tensor]) -> Any:
     """Run a random operator on a forked RNG seeded from the tool's generator."""
-    seed = seed_source()
+    seed = _next_seed()
     cuda = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
         torch.default_generator.manual_seed(seed)

@@ -84,6 +84,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_import_hook.py")
     session.run("python", "benchmarks/bench_launcher.py")
     session.run("python", "benchmarks/bench_dispatch.py")
+    session.run("python", "benchmarks/bench_export_paths.py")
     session.run("python", "benchmarks/bench_cache.py")
     session.install("pytest", "matplotlib")
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", env=ZOO_ENV)

@@ -12,8 +12,11 @@ in a WeakKeyDictionary, never in the instance's `__dict__`.
 
 from __future__ import annotations
 
+import enum
 import logging
+import operator
 import threading
+import types
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -249,7 +252,9 @@ class _Instance:
         self._builds_seen = 0
         self._hazards_seen = 0
         self._verifications_seen = 0
-        self._last_guard_key: tuple[Hashable, ...] = ()
+        # the objects the guarded attributes held last call, their guard values, and which of
+        # them can change in place (tensors, containers)
+        self._last: tuple[list[Any], tuple[Hashable, ...], list[int]] = ([], (), [])
         self._guard_owners: list[dict[str, Any]] = []  # columns of `guards`, for map() in C
         self._guard_names: list[str] = []
 
@@ -381,24 +386,25 @@ class _Instance:
                     self.stats.per_shape_graphs += 1
 
     # guards ----------------------------------------------------------------------------------
-    def key(self) -> Hashable:
-        """Current values of every attribute an export read: a changed one selects (or builds)
-        another graph, and a value toggled back finds its old graph again."""
+    def values(self) -> tuple[Hashable, ...]:
+        """Current guard values of every attribute an export read: a changed one selects (or
+        builds) another graph, and a value toggled back finds its old graph again. While every
+        attribute still holds the object it held last call, only the values that can change in
+        place (tensors, containers) are read again, and the previous tuple is returned."""
         if not self.guards:
             return ()
-        key: tuple[Hashable, ...] = tuple(map(dict.get, self._guard_owners, self._guard_names))
-        if not _PLAIN_TYPES.issuperset(map(type, key)):
-            key = tuple(map(guard_value, key))
-        last = self._last_guard_key
-        if key != last and self.engine is not None and len(last) == len(key):
-            changed = [
-                f"{label}.{name}"
-                for (_, name, label, _), old, new in zip(self.guards, last, key, strict=True)
-                if old != new
-            ]
-            self.engine.note_build_reason(f"attribute {', '.join(changed)} written")
-        self._last_guard_key = key
-        return key
+        current = list(map(dict.get, self._guard_owners, self._guard_names))
+        objects, values, mutable = self._last  # one read: another thread may replace it
+        if len(current) == len(objects) and all(map(operator.is_, current, objects)):
+            if not mutable or all(guard_value(current[i]) == values[i] for i in mutable):
+                return values
+        values = tuple(map(guard_value, current))
+        mutable = [i for i, value in enumerate(current) if not _immutable(value)]
+        self._last = (current, values, mutable)
+        return values
+
+    def labels(self) -> list[str]:
+        return [f"{label}.{name}" for _, name, label, _ in self.guards]
 
     def written(self, module: torch.nn.Module, name: str) -> None:
         """A write on the patched instance itself (deeper writes are caught by the guards and
@@ -474,6 +480,29 @@ def _falls_back(policy: Fallback, exc: Exception) -> bool:
 _PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
 
 
+_IMMUTABLE_KINDS = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    type,
+    enum.Enum,
+)
+
+
+def _immutable(value: Any) -> bool:
+    """Whether holding the same object means holding the same guard value (it cannot change
+    in place, or it is guarded by identity anyway)."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES or isinstance(value, _IMMUTABLE_KINDS):
+        return True
+    if kind in (tuple, frozenset):
+        return all(map(_immutable, value))
+    if isinstance(value, torch.Tensor) or kind in (list, dict, set):
+        return False
+    return not _by_value(value)
+
+
 def guard_value(value: Any) -> Hashable:
     """What a guard compares for an attribute value: plain values by value, tensors by identity,
     version counter, shape, dtype and device (never by their elements: comparing tensors with
@@ -488,14 +517,16 @@ def guard_value(value: Any) -> Hashable:
         return (kind.__name__, tuple(map(guard_value, value)))
     if kind is dict:
         return ("dict", tuple((k, guard_value(v)) for k, v in value.items()))
+    return value if _by_value(value) else ("id", id(value))
+
+
+def _by_value(value: Any) -> bool:
     try:
         hash(value)
         equal = value == value  # some types compare to arrays (numpy) or raise
-        if type(equal) is not bool:
-            raise TypeError
     except Exception:
-        return ("id", id(value))
-    return value
+        return False
+    return type(equal) is bool
 
 
 # -- calls ORT cannot take ---------------------------------------------------------------------

@@ -101,8 +101,11 @@ def test_another_torch_version_misses(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_a_changed_attribute_value_misses(tmp_path: Path) -> None:
     class Guards:
-        def key(self) -> tuple[object, ...]:
+        def values(self) -> tuple[object, ...]:
             return (model.scale,)
+
+        def labels(self) -> list[str]:
+            return ["Small.scale"]
 
         def paths(self) -> list[str]:
             return ["scale"]

@@ -3,19 +3,44 @@
 A graph bakes in the gradient mode, every module's train flag, which parameters require grad,
 the input signature (structure, dtypes, ranks, devices and constants; sizes stay dynamic), the
 values of the attributes forward read (tensors by identity, version, shape, dtype and device)
-and, for a model that specialises on sizes, the input shapes. A hit compares the whole key
-(one hash); a miss asks `diff` which guard changed, which is the rebuild reason the report
-shows; `persistent` is the part of the key the on-disk graph cache stores.
+and, for a model that specialises on sizes, the input shapes. `KeyMaker` computes a call's key
+and keeps the engine's memory of keys: a hit hands back the previous call's key object when no
+guard moved (no hashing, no tuple built), and a miss is explained by `CallKey.diff` against the
+last key used in the same mode, which is the rebuild reason the report shows. `persistent` is
+the part of a key the on-disk graph cache stores.
+
+Replaced parameters and submodules are not guards of a key: every graph binds the module's
+tensors by position, so a structure change forgets them all (`KeyMaker.stale`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ort_autopatch.engine.state import ModuleState
 
 #: The guards in the order a miss is explained: the first that differs names the reason.
 GUARDS = ("training", "grad", "requires_grad", "inputs", "attributes", "shapes")
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+class Guards(Protocol):
+    """The caller's view of state that a graph bakes in (attribute values forward read)."""
+
+    def values(self) -> tuple[Hashable, ...]:
+        """Current guard values; the very same tuple object while none changed."""
+
+    def labels(self) -> list[str]:
+        """`Owner.attribute` for each value, to name a changed one in a rebuild reason."""
+
+    def paths(self) -> list[str]:
+        """Dotted attribute paths from the root, for the persistent cache."""
+
+    def adopt(self, root: Any, paths: list[str]) -> None:
+        """Guard these paths from now on (a graph loaded from disk was not exported here)."""
 
 
 @dataclass(frozen=True)
@@ -23,14 +48,23 @@ class CallKey:
     """Everything a graph depends on besides the tensors it is fed."""
 
     grad: bool  # a training graph (forward + backward) or an inference graph
-    training: bytes  # the train flag of the root and of every submodule, one byte each
-    requires_grad: bytes  # which parameters require grad (training graphs only)
+    training: tuple[bool, ...]  # the train flag of the root and of every submodule
+    requires_grad: tuple[bool, ...]  # which parameters require grad (training graphs only)
     inputs: Hashable  # the input signature; sizes are dynamic dimensions
     attributes: tuple[Hashable, ...]  # guard values of the attributes forward read
-    shapes: tuple[tuple[int, ...], ...] | None = None  # per-shape graphs only
+    shapes: Shapes | None = None  # per-shape graphs only
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: a key lives as long as its graph and is looked up on every call.
+        fields = (self.grad, self.training, self.requires_grad, self.inputs, self.attributes)
+        object.__setattr__(self, "_hash", hash((*fields, self.shapes)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
-    def mode(self) -> tuple[bool, bytes]:
+    def mode(self) -> tuple[bool, tuple[bool, ...]]:
         """Gradient mode and train flags: a key's neighbours for explaining a miss."""
         return self.grad, self.training
 
@@ -56,12 +90,96 @@ class CallKey:
         }
 
 
+class KeyMaker:
+    """Computes each call's key for one module tree, and says why a key misses.
+
+    Nothing announces every change a key guards (a submodule's `.eval()`, `requires_grad_()`,
+    a write to a config object), so each call reads every guard; it does so in C-level passes
+    over the snapshot's columns and compares with the previous call's raw readings, and hands
+    back the previous key object when all agree.
+    """
+
+    def __init__(self, state: ModuleState, guards: Guards | None) -> None:
+        self.state = state
+        self._guards = guards
+        # the last key computed, with the raw train and requires_grad flags it was made from
+        self._recent: tuple[CallKey, list[bool], list[bool]] | None = None
+        self._used: CallKey | None = None  # the last key a call ran with
+        self._used_in_mode: dict[tuple[bool, tuple[bool, ...]], CallKey] = {}
+        self._built: set[CallKey] = set()
+        self._event: str | None = "first call"
+
+    def key(
+        self, grad: bool, inputs: Hashable, shapes: Shapes | None, requires: list[bool]
+    ) -> CallKey:
+        """The key of a call; `requires` are the parameters' requires_grad flags in a training
+        call (`ModuleState.requires_grad_flags`), empty otherwise."""
+        training = self.state.training_flags()
+        attributes = self._guards.values() if self._guards is not None else ()
+        recent = self._recent  # one read: another thread may replace it meanwhile
+        if recent is not None:
+            key, recent_training, recent_requires = recent
+            if (
+                key.grad is grad
+                and key.attributes is attributes
+                and training == recent_training
+                and requires == recent_requires
+                and key.inputs == inputs
+                and key.shapes == shapes
+            ):
+                return key
+        key = CallKey(grad, tuple(training), tuple(requires), inputs, attributes, shapes)
+        self._recent = (key, training, requires)
+        return key
+
+    def stale(self) -> str | None:
+        """Why the graphs no longer fit the module tree (a parameter or submodule replaced,
+        a dtype or device changed), or None; checked before every key."""
+        return None if self.state.unchanged() else self.state.describe_change()
+
+    def forget(self, state: ModuleState, reason: str) -> None:
+        """The graphs were dropped (structure change, `mark_stale`): the next build says why."""
+        self.state = state
+        self._recent = None
+        self._used = None
+        self._used_in_mode.clear()
+        self._built.clear()
+        # Before the first build (parameters swapped in by a pre-forward hook, as FSDP2's
+        # unshard does) the build is still the first call's.
+        if self._event != "first call":
+            self._event = reason
+
+    def note(self, reason: str) -> None:
+        """An event the key cannot show (sizes change a traced value) explains the next miss."""
+        self._event = reason
+
+    def miss_reason(self, key: CallKey) -> str:
+        """Why `key` has no graph: an event, an eviction, or the guard that moved."""
+        event, self._event = self._event, None
+        if event is not None:
+            return event
+        if key in self._built:
+            return "cache evicted"
+        before = self._used_in_mode.get(key.mode, self._used)
+        labels = self._guards.labels() if self._guards is not None else []
+        return key.diff(before, labels) or "cache evicted"
+
+    def built(self, key: CallKey) -> None:
+        self._built.add(key)
+
+    def used(self, key: CallKey) -> None:
+        self._used = key
+        self._used_in_mode[key.mode] = key
+
+
 def _attributes(new: CallKey, old: CallKey, labels: Sequence[str]) -> str:
-    if len(new.attributes) != len(old.attributes) or len(labels) != len(new.attributes):
+    if len(new.attributes) != len(old.attributes):
         return "attributes forward reads changed"
     changed = [
-        label for label, a, b in zip(labels, new.attributes, old.attributes, strict=True) if a != b
+        label for label, a, b in zip(labels, new.attributes, old.attributes, strict=False) if a != b
     ]
+    if not changed:
+        return "attributes forward reads changed"
     return f"attribute {', '.join(changed)} written"
 
 

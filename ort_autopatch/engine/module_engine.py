@@ -9,11 +9,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -29,6 +29,7 @@ from ort_autopatch.engine import (
     verify,
 )
 from ort_autopatch.engine.cache import GraphCache
+from ort_autopatch.engine.callkey import CallKey, Guards, KeyMaker
 from ort_autopatch.engine.errors import (
     DataDependentError,
     ExecutionError,
@@ -68,19 +69,6 @@ class EngineOptions:
     torch_ops: tuple[str, ...] = ()
     no_torch_ops: tuple[str, ...] = ()
     verify: int = 0  # calls of each new graph key also run eagerly and compared (verify.py)
-
-
-class Guards(Protocol):
-    """The caller's view of state that a graph bakes in (attribute values forward read)."""
-
-    def key(self) -> Hashable:
-        """Current values; joins the cache key."""
-
-    def paths(self) -> list[str]:
-        """Dotted attribute paths from the root, for the persistent cache."""
-
-    def adopt(self, root: torch.nn.Module, paths: list[str]) -> None:
-        """Guard these paths from now on (a graph loaded from disk was not exported here)."""
 
 
 @dataclass
@@ -216,18 +204,15 @@ class ModuleEngine:
         self._guards = guards
         self._cache: GraphCache[_Entry] = GraphCache(self.options.cache_size)
         self._state = ModuleState(module)
+        self._keys = KeyMaker(self._state, guards)
         self._static_shapes = False
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
         self.records: list[BuildRecord] = []
         self.hazards: list[hazards.Hazard] = []  # every trace hazard found, for reports
         self.verifications: list[verify.Verification] = []  # --verify's comparisons
-        self._verified: dict[Hashable, int] = {}  # key -> calls verified
-        self._pending_reason: str | None = "first call"
-        self._trusted: dict[tuple[bool, bool], Hashable] = {}  # mode -> key last used
-        self._built: set[Hashable] = set()
-        self._last_base: tuple[Any, ...] | None = None
-        self._last_in_mode: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._verified: dict[CallKey, int] = {}  # key -> calls verified
+        self._trusted: dict[tuple[bool, bool], CallKey] = {}  # mode -> key last used
         self.settings = session.SessionSettings(self.options.threads)
         self._store = _store_for(self.options.cache_dir)
         # operators learned to need torch-calling nodes, so later exports start with them
@@ -258,19 +243,12 @@ class ModuleEngine:
                 self._state = ModuleState(module)
             self._cache.clear()
             self._trusted.clear()
-            self._built.clear()
             self._verified.clear()
-            # Before the first build (parameters swapped in by a pre-forward hook, as FSDP2's
-            # unshard does) the build is still the first call's.
-            self._pending_reason = reason if self.records else "first call"
+            self._keys.forget(self._state, reason)
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(args, kwargs)
-
-    def note_build_reason(self, reason: str) -> None:
-        """Say why the next build (if the next call misses) happens, for reports."""
-        self._pending_reason = reason
 
     def run(
         self,
@@ -300,7 +278,7 @@ class ModuleEngine:
             log.debug("%s: %s differs for this call; one graph per shape", self._cls, exc)
             with self._lock:
                 self._static_shapes = True
-                self._pending_reason = f"sizes change a traced value ({exc.where})"
+                self._keys.note(f"sizes change a traced value ({exc.where})")
             return self._run(module, args, kwargs, False, check_devices, recompute)
 
     def _run(
@@ -318,68 +296,52 @@ class ModuleEngine:
             if trusted is not None:
                 call = signature.flatten_call(self._cls, args, kwargs, check_devices)
                 return trusted.run(self._state, call, recompute)
+        stale = self._keys.stale()
+        if stale is not None:
+            self.invalidate(stale)
         state = self._state
-        if not state.unchanged():
-            self.invalidate(state.describe_change())
-            state = self._state
         call = signature.flatten_call(self._cls, args, kwargs, check_devices)
-        grad = torch.is_grad_enabled() and (
-            any(t.requires_grad for t in call.tensors) or any(p.requires_grad for p in state.params)
+        requires = state.requires_grad_flags() if torch.is_grad_enabled() else []
+        grad = any(requires) or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors)
         )
         if grad:
             _refuse_empty(self._cls, call)
-        base = (
-            grad,
-            state.training_flags(),
-            state.requires_grad_flags() if grad else (),
-            call.signature,
-        )
-        key = self._key(base, call)
+        else:
+            requires = []
+        key = self._key(grad, call, requires)
         entry = self._cache.get(key)
         if entry is None:
             with self._build_lock:
                 # Another thread may have built it meanwhile, under a key its build settled.
-                key = self._key(base, call)
+                key = self._key(grad, call, requires)
                 entry = self._cache.get(key)
                 if entry is None:
-                    reason = self._miss_reason(key, base)
+                    reason = self._keys.miss_reason(key)
                     entry = self._cache.get_or_build(
                         key, lambda: self._build(module, state, call, grad, reason)
                     )
                     # The build may have switched to static shapes or taught the guards new
                     # attributes: file the graph under the key later calls will compute.
-                    settled = self._key(base, call)
+                    settled = self._key(grad, call, requires)
                     if settled != key:
                         self._cache.rekey(key, settled)
                         key = settled
-                    self._built.add(key)
+                    self._keys.built(key)
         if self.options.verify and self._verified.get(key, 0) < self.options.verify:
             self._verified[key] = self._verified.get(key, 0) + 1
             self._verify(module, entry, state, call, grad, key)
-        self._last_base = base
-        self._last_in_mode[base[:2]] = base
+        self._keys.used(key)
         self._trusted[mode] = key
         return entry.run(state, call, recompute)
 
-    def _key(self, base: Hashable, call: signature.FlatCall) -> Hashable:
-        key = (base, self._guards.key() if self._guards is not None else ())
-        return (key, call.shapes()) if self._static_shapes else key
-
-    def _miss_reason(self, key: Hashable, base: tuple[Any, ...]) -> str:
-        reason, self._pending_reason = self._pending_reason, None
-        if reason is not None:
-            return reason
-        if key in self._built:
-            return "cache evicted"
-        same_mode = self._last_in_mode.get(base[:2])
-        if same_mode is None:
-            last = self._last_base
-            if last is not None and last[1] == base[1]:
-                return "gradient mode changed"
-            return "train/eval mode changed"
-        if same_mode[2] != base[2]:
-            return "requires_grad changed"
-        return "new input signature"
+    def _key(
+        self, grad: bool, call: signature.FlatCall, requires: list[bool] | None = None
+    ) -> CallKey:
+        if requires is None:
+            requires = self._state.requires_grad_flags() if grad else []
+        shapes = call.shapes() if self._static_shapes else None
+        return self._keys.key(grad, call.signature, shapes, requires)
 
     def _verify(
         self,
@@ -388,7 +350,7 @@ class ModuleEngine:
         state: ModuleState,
         call: signature.FlatCall,
         grad: bool,
-        key: Hashable,
+        key: CallKey,
     ) -> None:
         """Run this call also through the graph and eagerly and compare (`--verify`); a
         mismatch remembers this key as failed, so its calls run in PyTorch."""
@@ -778,11 +740,9 @@ class ModuleEngine:
             cls=self._cls,
             sources=sources,
             state=state,
-            call=call,
-            grad=grad,
+            key=self._key(grad, call).persistent(),
             device=device,
             opset=self.options.opset,
-            static_shapes=self._static_shapes,
         )
 
     def _load(self, static: str, state: ModuleState) -> Recipe | None:

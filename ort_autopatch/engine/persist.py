@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, graph, hazards, runtime, session, signature
+from ort_autopatch.engine import export, graph, hazards, runtime, session
 from ort_autopatch.engine.state import ModuleState
 from ort_autopatch.engine.store import StoredEntry, digest, digest_bytes
 
@@ -27,13 +27,12 @@ def static_key(
     cls: str,
     sources: str,
     state: ModuleState,
-    call: signature.FlatCall,
-    grad: bool,
+    key: dict[str, Any],
     device: torch.device,
     opset: int,
-    static_shapes: bool,
 ) -> str:
-    """Everything that decides a graph except attribute values forward read."""
+    """Everything that decides a graph except attribute values forward read: the call key's
+    persistent part (`CallKey.persistent`) and the module's tensor layout."""
     from ort_autopatch import __version__
 
     return digest(
@@ -45,13 +44,10 @@ def static_key(
             "class": cls,
             "sources": sources,
             "state": [
-                (name, tuple(t.shape), str(t.dtype), t.requires_grad)
+                (name, tuple(t.shape), str(t.dtype))
                 for name, t in zip(state.names, state.tensors, strict=True)
             ],
-            "training": state.training_flags(),
-            "grad": grad,
-            "signature": repr(call.signature),
-            "shapes": call.shapes() if static_shapes else None,
+            "key": key,
             "device": device.type,
             "machine": machine_fingerprint(),
             "opset": opset,

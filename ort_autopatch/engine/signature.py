@@ -56,10 +56,17 @@ def flatten_call(
 ) -> FlatCall:
     """Split a call into its tensors and a hashable signature (structure, dtypes, ranks,
     devices, requires_grad and the values of non-tensor leaves)."""
-    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
-        # The common case, without pytree's cost.
-        tensors = list(args)
-        sig: Hashable = (len(args), tuple(_tensor_sig(t) for t in tensors))
+    if all(isinstance(a, torch.Tensor) for a in args) and all(
+        v is None or isinstance(v, torch.Tensor) for v in kwargs.values()
+    ):
+        # The common case (tensors, and keywords that are tensors or None) without pytree's
+        # cost; the tensors come in pytree's leaf order, as `spec()` will number them.
+        tensors = [*args, *(v for v in kwargs.values() if v is not None)]
+        sig: Hashable = (
+            len(args),
+            tuple(map(_tensor_sig, args)),
+            tuple((k, None if v is None else _tensor_sig(v)) for k, v in kwargs.items()),
+        )
         if check_devices:
             _check_devices(cls, tensors)
         return FlatCall(tensors, sig, None, args, kwargs)

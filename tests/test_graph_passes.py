@@ -142,3 +142,58 @@ def test_yield_extra_outputs_moves_late_producers_before_the_yield_op() -> None:
     order = [n.output[0] for n in model.graph.node]
     assert order == ["late", "stat", "out_grad", "x_grad"]
     assert list(model.graph.node[2].input) == ["out", "stat"]
+
+
+@pytest.mark.parametrize(("index", "axis"), [(0, 0), (2, 1), (-1, 1), (-1, -1)])
+def test_gather_grad_at_a_constant_index_becomes_the_same_slice_grad(index: int, axis: int) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    x = np.zeros((3, 4, 5), dtype=np.float32)
+    grad = np.random.default_rng(0).standard_normal(np.take(x, 0, axis=axis).shape)
+    grad = grad.astype(np.float32)
+
+    def run(model: onnx.ModelProto) -> np.ndarray:
+        model.ir_version = 8  # what ONNX Runtime 1.19.2 reads
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # the rewrite leaves the index constant unused
+        session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        return session.run(None, {"shape": np.array(x.shape), "dy": grad})[0]
+
+    def model() -> onnx.ModelProto:
+        nodes = [
+            helper.make_node(
+                "Constant", [], ["i"], value=helper.make_tensor("i", TensorProto.INT64, [], [index])
+            ),
+            helper.make_node(
+                "GatherGrad", ["shape", "i", "dy"], ["dx"], axis=axis, domain="com.microsoft"
+            ),
+        ]
+        return helper.make_model(
+            helper.make_graph(
+                nodes,
+                "g",
+                [
+                    helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
+                    helper.make_tensor_value_info("dy", TensorProto.FLOAT, None),
+                ],
+                [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)],
+            ),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+        )
+
+    expected = run(model())
+    rewritten = model()
+    assert graph.gather_grad_as_slice_grad(rewritten) == 1
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "GatherGrad" not in ops and "SliceGrad" in ops
+    np.testing.assert_array_equal(run(rewritten), expected)
+
+
+def test_gather_grad_with_tensor_indices_is_left_alone() -> None:
+    node = helper.make_node("GatherGrad", ["shape", "ids", "dy"], ["dx"], domain="com.microsoft")
+    model = _model([node], ["shape", "ids", "dy"], ["dx"])
+    assert graph.gather_grad_as_slice_grad(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["GatherGrad"]

@@ -263,9 +263,11 @@ def build_gradient(
     except Exception as exc:
         raise GradientBuildError(cls, f"no gradient graph ({ort_message(exc)})", remedy) from exc
     num_forward_outputs = len(info.user_output_names) + len(info.frontier_node_arg_map)
-    if extra_outputs:
+    if extra_outputs or b"GatherGrad" in gradient_model:
         proto = onnx.load_from_string(gradient_model)
-        num_forward_outputs = graph_passes.yield_extra_outputs(proto, list(extra_outputs))
+        graph_passes.gather_grad_as_slice_grad(proto)
+        if extra_outputs:
+            num_forward_outputs = graph_passes.yield_extra_outputs(proto, list(extra_outputs))
         gradient_model = proto.SerializeToString()
     grad_of = dict(info.user_input_grad_names)
     grad_of.update(

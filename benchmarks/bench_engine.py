@@ -1,10 +1,12 @@
 """Step time, first-call time and peak memory of ModuleEngine against eager PyTorch.
 
-    python benchmarks/bench_engine.py [--steps 50] [--warmup 10] [--models mlp,transformer]
+    python benchmarks/bench_engine.py [--steps 50] [--warmup 10] [--threads 1,2]
+                                      [--models mlp,transformer,transformer_p0]
 
 A step is forward + loss + backward + AdamW step. Eager and engine steps are interleaved in one
 process (so both see the same machine load) and the median of `--steps` timed steps after
-`--warmup` untimed ones is reported. The first call (export + gradient build + session + the
+`--warmup` untimed ones is reported, at each `--threads` count (torch.set_num_threads; the
+engine's ORT sessions follow it). The first call (export + gradient build + session + the
 first step) is measured in a fresh subprocess of this script, so ONNX Runtime's import and the
 exporter's first-use warm-up are counted as a user pays them; the first call of a second model
 instance in the already-warm main process is reported as well. Peak RSS comes from the fresh
@@ -62,10 +64,12 @@ def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.T
     return MLP(), (x,), lambda out: F.cross_entropy(out, y)
 
 
-def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]:
+def _transformer(
+    dropout: float = 0.1,
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(
-        d_model=256, nhead=4, dim_feedforward=1024, dropout=0.1, batch_first=True
+        d_model=256, nhead=4, dim_feedforward=1024, dropout=dropout, batch_first=True
     )
     x = torch.randn(16, 64, 256)
     return layer, (x,), lambda out: (out * out).mean()
@@ -76,10 +80,12 @@ MODELS: dict[
 ] = {
     "mlp": _mlp,
     "transformer": _transformer,
+    "transformer_p0": lambda: _transformer(0.0),
 }
 DESCRIPTIONS = {
     "mlp": "MLP 512-512-10, batch 64",
     "transformer": "TransformerEncoderLayer d256 h4 ff1024 dropout 0.1, x(16,64,256)",
+    "transformer_p0": "TransformerEncoderLayer d256 h4 ff1024 dropout 0, x(16,64,256)",
 }
 
 
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--models", default="mlp,transformer,transformer_p0")
+    parser.add_argument("--threads", default="1,2", help="comma list of thread counts")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "SIDE"), help=argparse.SUPPRESS)
     parser.add_argument("--child-steps", type=int, default=5, help=argparse.SUPPRESS)
@@ -276,13 +283,26 @@ def main(argv: list[str] | None = None) -> int:
         },
         "models": {},
     }
+    thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]
+    default_threads = torch.get_num_threads()
+    report["environment"]["load_average"] = os.getloadavg()
     for name in names:
         fresh_engine = run_child(name, "engine", 5)
         fresh_eager = run_child(name, "eager", 5)
-        steady = interleaved(name, args.steps, args.warmup)
+        per_threads = {}
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            per_threads[str(threads)] = interleaved(name, args.steps, args.warmup)
+        torch.set_num_threads(default_threads)
+        # the top-level numbers (read by render_report.py) are the default thread count's
+        steady = per_threads.get(str(default_threads)) or per_threads[str(thread_counts[-1])]
         report["models"][name] = {
             "description": DESCRIPTIONS[name],
             **steady,
+            "threads": {
+                t: {k: v for k, v in r.items() if k.endswith("_ms") or k.startswith("ratio")}
+                for t, r in per_threads.items()
+            },
             "fresh_process": {"engine": fresh_engine, "eager": fresh_eager},
             "first_call_fresh_process_s": fresh_engine["first_step_s"],
             "eager_first_step_fresh_process_s": fresh_eager["first_step_s"],
@@ -292,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
     report["main_process_peak_rss_mb"] = _peak_rss_mb()
+    report["environment"]["load_average_after"] = os.getloadavg()
+    report["environment"]["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
@@ -303,10 +325,19 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(report: dict[str, Any]) -> None:
     env = report["environment"]
     print(
-        f"torch {env['torch']}, onnxruntime {env['onnxruntime']}, {env['torch_threads']} threads, "
-        f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}, "
-        f"median of {env['steps']} after {env['warmup']} warm-up"
+        f"{env['date']}: torch {env['torch']}, onnxruntime {env['onnxruntime']}, "
+        f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}, median of {env['steps']} after "
+        f"{env['warmup']} warm-up, load average {env['load_average'][0]:.2f} -> "
+        f"{env['load_average_after'][0]:.2f}"
     )
+    print(f"\n{'model':<16} {'threads':>7} {'eager ms':>9} {'engine ms':>10} {'ratio':>6}")
+    for name, m in report["models"].items():
+        for threads, r in m["threads"].items():
+            print(
+                f"{name:<16} {threads:>7} {r['eager_step_ms']:>9.2f} {r['engine_step_ms']:>10.2f} "
+                f"{r['ratio_engine_over_eager']:>6.2f}"
+            )
+    print(f"\nat the default {env['torch_threads']} threads:")
     header = (
         f"{'model':<12} {'eager ms':>9} {'engine ms':>10} {'ratio':>6} {'1st call fresh s':>17} "
         f"{'(eager 1st s)':>13} {'2nd model 1st s':>16} {'peak RSS eager/engine MB':>25}"

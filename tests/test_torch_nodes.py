@@ -757,6 +757,65 @@ def test_always_routed_operator_runs_in_torch_even_when_ort_could() -> None:
     assert _torch_nodes(run.engine)["aten::tanh"] == 1
 
 
+class WideFeedForward(nn.Module):
+    """A transformer's feed-forward block: ReLU between two linear layers, optionally dropout."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(F.relu(self.up(x))))
+
+
+class ReluIntoPooling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 32 * 32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.max_pool2d(F.relu(self.conv(x)), 2).flatten(1))
+
+
+def _wide(step: int) -> tuple[tuple[torch.Tensor], dict]:
+    # 2^17 inputs and more: the call is large enough for ReLU's size route
+    return (torch.randn(64 + 16 * (step % 2), 64, 32, generator=_gen(step)),), {}
+
+
+def test_a_large_relu_in_front_of_a_linear_layer_runs_in_torch_with_eager_numbers() -> None:
+    torch.manual_seed(19)
+    run = assert_training_parity(WideFeedForward(), _wide, steps=2, rtol=RTOL, atol=ATOL)
+    assert _torch_nodes(run.engine) == {"aten::relu": 1}
+
+
+def test_the_relu_route_passes_through_dropout() -> None:
+    engine = ModuleEngine(WideFeedForward(p=0.1))
+    engine(_wide(0)[0][0]).sum().backward()
+    assert _torch_nodes(engine) == {"aten::relu": 1}
+
+
+def test_a_small_relu_stays_in_onnx() -> None:
+    engine = ModuleEngine(WideFeedForward())
+    engine(torch.randn(4, 8, 32)).sum().backward()
+    assert _torch_nodes(engine) == {}
+
+
+def test_a_large_relu_feeding_pooling_stays_in_onnx() -> None:
+    # MaxPoolGrad needs the shape ORT cannot infer behind a torch-calling node
+    engine = ModuleEngine(ReluIntoPooling())
+    engine(torch.randn(64, 1, 64, 64)).sum().backward()
+    assert _torch_nodes(engine) == {}
+
+
+def test_the_relu_route_can_be_denied() -> None:
+    engine = ModuleEngine(WideFeedForward(), EngineOptions(no_torch_ops=("aten::relu",)))
+    engine(_wide(0)[0][0]).sum().backward()
+    assert _torch_nodes(engine) == {}
+
+
 def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:
     """ORT's function pool holds Python objects in C++ statics; they are released at exit
     while the interpreter still lives (a crash at teardown otherwise)."""

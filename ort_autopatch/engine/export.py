@@ -336,7 +336,10 @@ def _export_once(
             _exporting(),
             _quiet_exporter(),
             _watching_conversions(conversions),
-            symbolics.registered(opset, symbolics.for_export(routed)),
+            symbolics.registered(
+                opset,
+                symbolics.for_export(routed, max((t.numel() for t in tensors), default=0)),
+            ),
             tracing.export_rewrites(),
             torch.no_grad(),
             hazards.recording() as found,

@@ -25,9 +25,19 @@ from ort_autopatch.engine.errors import (
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """How sessions are created; threads None means torch.get_num_threads()."""
+    """How sessions are created; threads None means torch.get_num_threads().
+
+    The defaults are what measured fastest for training steps interleaved with PyTorch
+    (`benchmarks/bench_profile.py` measures each alternative); the other fields exist so that
+    benchmark can build the alternatives, and for profiling.
+    """
 
     threads: int | None = None
+    spinning: bool = False  # intra-op threads spin between ORT's parallel sections
+    parallel: bool = False  # ORT_PARALLEL execution mode (independent nodes concurrently)
+    optimization: str = "all"  # graph optimisation level: disable, basic, extended, all
+    arena: bool = False  # ORT's CPU memory arena
+    profile_prefix: str | None = None  # write ORT's per-node profile (JSON) with this prefix
 
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -36,6 +46,11 @@ _live: weakref.WeakSet[Any] = weakref.WeakSet()
 def live_sessions() -> int:
     """ONNX Runtime sessions this process still holds (for leak checks and reports)."""
     return len(_live)
+
+
+def end_profiles() -> list[str]:
+    """Stop ORT's profiler in every live session built with `profile_prefix`; the JSON files."""
+    return [s.end_profiling() for s in list(_live) if s.get_session_options().enable_profiling]
 
 
 def _session_options(settings: SessionSettings, training: bool) -> Any:
@@ -49,7 +64,7 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
     # ORT's CPU arena never gives memory back: tensors handed to PyTorch return to the arena
     # when PyTorch frees them, and with inputs of varying size it grows step after step (3 GiB
     # a step with 1 GiB inputs). Plain allocations are freed when the step's tensors are.
-    options.enable_cpu_mem_arena = False
+    options.enable_cpu_mem_arena = settings.arena
     # Same seed, same numbers: ORT's kernels take their deterministic path, whatever
     # torch.use_deterministic_algorithms says (PyTorch's CPU kernels already are).
     options.use_deterministic_compute = True
@@ -58,9 +73,25 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
     options.inter_op_num_threads = 1
     options.log_severity_level = 4  # errors reach users through the tool's messages
     # Spinning threads would burn the cores PyTorch needs between ORT calls.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    spin = "1" if settings.spinning else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    if settings.parallel:
+        options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        options.inter_op_num_threads = options.intra_op_num_threads
+    options.graph_optimization_level = _OPTIMIZATION_LEVELS[settings.optimization](ort)
+    if settings.profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = settings.profile_prefix
     return options
+
+
+_OPTIMIZATION_LEVELS: dict[str, Callable[[Any], Any]] = {
+    "disable": lambda ort: ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": lambda ort: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": lambda ort: ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": lambda ort: ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
 
 
 def _providers(device: torch.device) -> list[Any]:

@@ -287,11 +287,24 @@ def _transposed(inputs: tuple[Any, ...]) -> bool:
     return not known or bool(_python(value, "bool", False))
 
 
-def aten_symbolic(name: str) -> Callable[..., Any]:
-    """A symbolic that sends the traced `name` (e.g. "aten::cummax") to torch."""
+def aten_symbolic(name: str, largest_input: int = 0) -> Callable[..., Any]:
+    """A symbolic that sends the traced `name` (e.g. "aten::cummax") to torch.
+
+    For the operators of `SIZE_ROUTES` only when large: the traced input's element count, or,
+    where dynamic axes hide it, the element count of the call's largest input tensor.
+    """
 
     def symbolic(g: Any, *inputs: Any, **attrs: Any) -> Any:
         node = g.original_node
+        threshold = SIZE_ROUTES.get(name)
+        if threshold is not None and (
+            (_traced_numel(inputs[0]) or largest_input) < threshold
+            or not _feeds_only_linear(node.output())
+        ):
+            # small: ORT's own kernels win over a Python round trip
+            from torch.onnx._internal.torchscript_exporter import symbolic_opset9
+
+            return getattr(symbolic_opset9, name.split("::", 1)[1])(g, *inputs)
         if name == "aten::_convolution" and not _transposed(inputs):
             # only transposed convolutions lack CPU gradient kernels; others stay in ONNX
             from torch.onnx._internal.torchscript_exporter import symbolic_opset9
@@ -379,18 +392,62 @@ MISSING_CPU_GRADIENT_KERNELS = {"ConvTransposeGrad": "ConvTranspose", "ResizeGra
 SHAPE_INFERRED_GRADIENTS = {"AveragePoolGrad": "AveragePool"}
 
 
+#: Operators sent to torch on CPU when the traced input (or, with dynamic sizes, the call's
+#: largest input tensor) holds at least this many elements.
+#: ORT's CPU `ReluGrad` is an Eigen select that branches per element: 5.7 ms for 2^20 random
+#: floats against torch's 0.5 ms (`threshold_backward`), while a torch-calling node costs one
+#: Python round trip per forward and backward (~0.2 ms a step, `bench_profile.py`). Measured
+#: on a step: TransformerEncoderLayer (ff 1024, 16x64 tokens, 2^20 elements) 59.2 -> 53.8 ms
+#: at 1 thread and 45.2 -> 40.8 ms at 2; an MLP's 64x512 ReLU (2^15) 2.23 -> 2.30 ms, so small
+#: ones stay in ONNX. No exact ONNX rewrite is faster: `Mul` by the mask is, but turns an
+#: infinite incoming gradient at a zeroed unit (`sqrt(relu(x))`) into NaN where eager gives 0.
+SIZE_ROUTES: dict[str, int] = {"aten::relu": 1 << 17}
+#: What may read a size-routed operator's output: ORT infers no shapes behind a torch-calling
+#: node, and some gradient kernels need them (MaxPoolGrad crashes the process, AveragePoolGrad
+#: returns nothing), so the route is taken only in front of a linear layer (through dropout).
+_SIZE_ROUTE_READERS = frozenset({"aten::linear", "aten::matmul"})
+_SIZE_ROUTE_PASSES = frozenset({"aten::dropout"})
+
+
+def _feeds_only_linear(value: Any, depth: int = 2) -> bool:
+    uses = list(value.uses())
+    if not uses or depth == 0:
+        return False
+    for use in uses:
+        kind = use.user.kind()
+        if kind in _SIZE_ROUTE_READERS and use.offset == 0:
+            continue
+        if kind in _SIZE_ROUTE_PASSES and use.offset == 0:
+            if _feeds_only_linear(use.user.output(), depth - 1):
+                continue
+        return False
+    return True
+
+
 def default_routes(device: torch.device) -> frozenset[str]:
     """Operators sent to torch up front on `device`, by a measured rule.
 
     On CUDA, `scaled_dot_product_attention` runs torch's fused flash/efficient kernels inside
     the graph (ORT's CUDA build would run the unfused MatMul/Softmax/MatMul the symbolic emits).
-    On CPU the ONNX path stays: torch's CPU flash kernel inside the graph measured no faster
-    (TransformerEncoderLayer d256, 64 tokens: step ratio to eager 1.39 ONNX vs 1.42 torch at 1
-    thread, 1.59 vs 1.78 at 2), as a node costs a Python round trip per call.
+    On CPU the ONNX path stays for attention: torch's CPU flash kernel inside the graph measured
+    no faster (TransformerEncoderLayer d256, 64 tokens, ratio to eager at 1 thread 1.25 ONNX vs
+    1.27 torch, at 2 threads 1.69 vs 1.60, noisy; `bench_profile.py` measures it), as a node
+    costs a Python round trip per call. The operators of `SIZE_ROUTES` go to torch on CPU when
+    their traced input is large (the symbolic checks the size).
     """
     if device.type == "cuda":
         return frozenset({"aten::scaled_dot_product_attention"})
-    return frozenset()
+    return frozenset(SIZE_ROUTES)
+
+
+def _traced_numel(value: Any) -> int | None:
+    sizes = symbolic_helper._get_tensor_sizes(value)
+    if sizes is None or any(not isinstance(s, int) for s in sizes):
+        return None
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
 
 
 def culprits(message: str, provenance: dict[str, set[str]]) -> set[str]:

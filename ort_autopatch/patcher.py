@@ -12,6 +12,7 @@ in a WeakKeyDictionary, never in the instance's `__dict__`.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import operator
@@ -31,8 +32,10 @@ from ort_autopatch.engine import (
     EngineOptions,
     FailureKind,
     ModuleEngine,
+    hazards,
     is_exporting,
 )
+from ort_autopatch.engine.errors import SideEffectError
 from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
 from ort_autopatch.hooks import forward_without_hooks, run_post_hooks, run_pre_hooks
@@ -44,7 +47,15 @@ from ort_autopatch.policy import (
     falls_back,
     skips,
 )
-from ort_autopatch.recording import Read, is_recorder, recording_reads
+from ort_autopatch.recording import (
+    Read,
+    Replay,
+    Unreplayable,
+    Write,
+    is_recorder,
+    recording_reads,
+    side_effects,
+)
 
 log = logging.getLogger("ort_autopatch")
 
@@ -257,6 +268,10 @@ class _Instance:
         self._last: tuple[list[Any], tuple[Hashable, ...], list[int]] = ([], (), [])
         self._guard_owners: list[dict[str, Any]] = []  # columns of `guards`, for map() in C
         self._guard_names: list[str] = []
+        # traces refused for a write a graph cannot repeat, per (owner, attribute); the second
+        # refusal of one attribute sends every later call to PyTorch without tracing
+        self._refusals: collections.Counter[tuple[int, str]] = collections.Counter()
+        self.unreplayable: SideEffectError | None = None
 
     # the call --------------------------------------------------------------------------------
     def call(
@@ -293,6 +308,25 @@ class _Instance:
             # (below) frees them, and the backward hooks it puts on inputs and outputs fire
             # around ORT's backward as around eager autograd.
             args, kwargs = run_pre_hooks(module, args, kwargs)
+        if self.unreplayable is not None:
+            # forward changes state on every call: no graph, and no more traces to learn it
+            output = self._eager_after(self.unreplayable, module, eager, args, kwargs, hooked)
+        else:
+            output = self._ort_call(module, eager, args, kwargs, hooked)
+        if hooked:
+            output = run_post_hooks(module, args, kwargs, output)
+        return output
+
+    def _ort_call(
+        self,
+        module: torch.nn.Module,
+        eager: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        settings, engine = self.settings, self.engine
+        assert engine is not None
         try:
             output = engine.run(
                 args,
@@ -304,21 +338,37 @@ class _Instance:
             )
         except Exception as exc:
             self._account_builds(engine)
-            if not _falls_back(settings.fallback, exc):
-                raise
-            self._fallback(exc, distributed.mixed_precision(module))
-            output = (
-                eager(module, *args, **kwargs)
-                if not hooked
-                else forward_without_hooks(module, args, kwargs)
-            )
-        else:
-            self._account_builds(engine)
-            with self.stats.lock:
-                self.stats.ort_calls += 1
-        if hooked:
-            output = run_post_hooks(module, args, kwargs, output)
+            return self._eager_after(exc, module, eager, args, kwargs, hooked)
+        if type(output) is Replay:  # forward assigns tensors to attributes: do it again
+            output = output.apply(module)
+        self._account_builds(engine)
+        with self.stats.lock:
+            self.stats.ort_calls += 1
         return output
+
+    def _eager_after(
+        self,
+        exc: Exception,
+        module: torch.nn.Module,
+        eager: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hooked: bool,
+    ) -> Any:
+        """Run the call in PyTorch after `exc`, as the fallback policy says (or raise)."""
+        if isinstance(exc, SideEffectError) and exc.once:
+            # forward wrote state once (transformers sets `config.problem_type` on its first
+            # call): this call runs eagerly and writes it, and the next call is traced again.
+            exc.once = False  # the same error remembered for this key is not once any more
+            with self.stats.lock:
+                self.stats.eager_calls["forward changed state: traced again next call"] += 1
+        else:
+            if not _falls_back(self.settings.fallback, exc):
+                raise exc
+            self._fallback(exc, distributed.mixed_precision(module))
+        if hooked:
+            return forward_without_hooks(module, args, kwargs)
+        return eager(module, *args, **kwargs)
 
     def _account_verification(self, result: Any) -> None:
         stats = self.stats
@@ -442,15 +492,34 @@ class _Instance:
             self._guard_names.append(name)
 
     def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """What the engine exports: forward, recording which plain attributes it reads."""
+        """What the engine exports: forward, recording which plain attributes it reads and
+        writes. The trace's writes are undone; tensors it assigned come back from every call
+        of the graph (`Replay`), other changes send the class to PyTorch."""
         reads: list[Read] = []
-        with recording_reads(module, reads):
+        writes: list[Write] = []
+        with recording_reads(module, reads, writes) as seen:
             output = module.forward(*args, **kwargs)
         for owner, name, path in reads:
             if name == "training" and isinstance(owner, torch.nn.Module):
                 continue  # train flags are part of every key: a change reads as a mode change
             self._guard(owner, name, path)
-        return output
+        try:
+            replay = side_effects(writes, seen, _same_guard, hazards.traced_constant)
+        except Unreplayable as exc:
+            # Once may be a first call's setup; the same attribute again means every call.
+            self._refusals[exc.key] += 1
+            error = SideEffectError(
+                self.name,
+                f"{exc.what} (at {exc.where}): a graph reused on the next call would not do it "
+                "again",
+                "It runs in PyTorch; keep such state outside the selected module (or in a "
+                "buffer updated in place), or exclude the class (ORT_AUTOPATCH_EXCLUDE)",
+            )
+            error.once = self._refusals[exc.key] == 1
+            if not error.once:
+                self.unreplayable = error
+            raise error from None
+        return Replay(output, replay) if replay else output
 
 
 def _fallback_remedies(name: str) -> str:
@@ -488,6 +557,10 @@ _IMMUTABLE_KINDS = (
     type,
     enum.Enum,
 )
+
+
+def _same_guard(a: Any, b: Any) -> bool:
+    return bool(guard_value(a) == guard_value(b))
 
 
 def _immutable(value: Any) -> bool:

@@ -54,4 +54,9 @@ def test_hf_trainer_example(tmp_path: pathlib.Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "trained 6 steps" in result.stdout
     bert = _classes(tmp_path / "r.json")[name]
-    assert (bert["ort_calls"], bert["eager_calls"], bert["exports"]) == (6, 0, 1)
+    # The first call sets `config.problem_type`, which a graph would not do again: it runs in
+    # PyTorch, and every later call in ORT.
+    assert (bert["ort_calls"], bert["eager_calls"], bert["exports"]) == (5, 1, 1)
+    assert bert["eager_reasons"] == [
+        {"reason": "forward changed state: traced again next call", "count": 1}
+    ]

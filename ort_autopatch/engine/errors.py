@@ -110,3 +110,11 @@ class DataDependentError(UnsupportedModelError):
     """forward decides something from tensor values, which a traced graph would freeze."""
 
     reason = "data-dependent control flow"
+
+
+class SideEffectError(UnsupportedModelError):
+    """forward changes state (a Python attribute, a container in place) that a graph reused on
+    the next call would not change again."""
+
+    reason = "forward changes state a graph cannot replay"
+    once = False  # the first refusal for this attribute (the caller may trace again)

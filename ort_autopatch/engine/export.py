@@ -126,6 +126,32 @@ class OutputSpec:
         return trees.unflatten(leaves, self.spec)
 
 
+@dataclass
+class BufferUpdates:
+    """What forward returned, and the new values of the buffers it updated in place (a
+    running average, a step counter), by qualified name: the graph computes them like any
+    output, and each call copies them into the buffers, as forward's in-place update would."""
+
+    output: Any
+    buffers: dict[str, torch.Tensor]
+
+
+def _buffer_versions(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Version counters of the buffers a trace may update in place (BatchNorm's statistics
+    have their own outputs and update, `graph.batch_norm_statistics`)."""
+    found = {}
+    seen = set()
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            # a shared buffer goes by its first name, as in ModuleState
+            if buffer is None or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            if not isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+                found[f"{prefix}.{name}" if prefix else name] = (buffer, buffer._version)
+    return found
+
+
 class _FlatModule(torch.nn.Module):
     """Takes and returns flat tensor tuples around the user's module (registered as `m`)."""
 
@@ -156,7 +182,13 @@ class _FlatModule(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._call_spec.rebuild(tensors)
+        before = _buffer_versions(self.m)
         result = self._forward(*args, **kwargs)
+        updated = {
+            name: buffer for name, (buffer, version) in before.items() if buffer._version != version
+        }
+        if updated:  # forward updates buffers in place: the graph returns their new values
+            result = BufferUpdates(result, updated)
         leaves, spec = trees.flatten(result)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]

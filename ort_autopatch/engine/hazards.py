@@ -441,3 +441,26 @@ def strip_sizes(graph: Any) -> int:
                     out.setType(kind.with_sizes([None] * len(sizes)))
                     stripped += 1
     return stripped
+
+
+def traced_constant(tensor: torch.Tensor) -> bool:
+    """Whether the trace in progress computed `tensor` from no graph input (parameters and
+    buffers are inputs too): the graph holds it as a constant, valid for every call the graph
+    serves. False outside a trace, and for a tensor the tracer never saw."""
+    if not torch._C._is_tracing():
+        return False
+    try:
+        value = torch._C._get_value_trace(tensor)  # type: ignore[attr-defined]
+    except RuntimeError:
+        return False
+    seen = {value.unique()}
+    pending = [value]
+    while pending:
+        node = pending.pop().node()
+        if node.kind() == "prim::Param":
+            return False
+        for source in node.inputs():
+            if source.unique() not in seen:
+                seen.add(source.unique())
+                pending.append(source)
+    return True

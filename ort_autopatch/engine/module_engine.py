@@ -143,7 +143,13 @@ class _Entry:
                     assert before is not None
                     before.undo()
                     raise _Specialises(check.hazard.where)
-        return self.output_spec.rebuild(outputs)
+        result = self.output_spec.rebuild(outputs)
+        if type(result) is export.BufferUpdates:
+            with torch.no_grad():
+                for name, value in result.buffers.items():
+                    tensors[state.index[name]].copy_(value)
+            result = result.output
+        return result
 
 
 class _Specialises(Exception):

@@ -260,14 +260,12 @@ def side_effects(
         _restore(write.owner, write.name, write.before)
         if after is MISSING and write.before is MISSING:
             continue
-        if (
-            isinstance(after, torch.Tensor)
-            and not isinstance(after, torch.nn.Parameter)
-            and not _registered(write.owner, write.name)
-        ):
+        if _tensors(after) and not _registered(write.owner, write.name):
             # A tensor the trace computed from no input is a constant of the graph (a mask
             # sized by `len(x)`, guarded by the trace's size checks): the same object each call.
-            replay[write.path] = Frozen(after) if constant(after) else after
+            # Containers of tensors (a cached `(k, v)`) travel as graph outputs too.
+            frozen = isinstance(after, torch.Tensor) and constant(after)
+            replay[write.path] = Frozen(after) if frozen else after
             continue
         if after is write.before or (
             after is not MISSING and write.before is not MISSING and same(after, write.before)
@@ -291,6 +289,21 @@ def side_effects(
     if refused is not None:
         raise refused
     return dict(reversed(replay.items()))
+
+
+def _tensors(value: Any) -> bool:
+    """A tensor (not a parameter), or a tuple, list or string-keyed dict of such (or None)."""
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, torch.nn.Parameter)
+    if type(value) in (tuple, list):
+        return bool(value) and all(v is None or _tensors(v) for v in value)
+    if type(value) is dict:
+        return (
+            bool(value)
+            and all(type(k) is str for k in value)
+            and all(v is None or _tensors(v) for v in value.values())
+        )
+    return False
 
 
 def held(owner: Any, name: str) -> Any:

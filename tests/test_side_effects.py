@@ -64,6 +64,21 @@ class RunningStats(nn.Module):
         return y - self.mean
 
 
+class KeepsKeysAndValues(nn.Module):
+    """A hand-written attention that keeps its last keys and values as a tuple attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(4, 4)
+        self.v = nn.Linear(4, 4)
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, v = self.k(x), self.v(x)
+        self.kv = (k, v)
+        return (x @ k.transpose(-1, -2)).softmax(-1) @ v
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -116,7 +131,16 @@ class SetsUpOnce(nn.Module):
         return self.fc(x)
 
 
-PATCHED = (CachedMask, AuxiliaryLoss, RunningStats, Counter, History, SetsAFlag, SetsUpOnce)
+PATCHED = (
+    KeepsKeysAndValues,
+    CachedMask,
+    AuxiliaryLoss,
+    RunningStats,
+    Counter,
+    History,
+    SetsAFlag,
+    SetsUpOnce,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -166,6 +190,17 @@ def test_an_auxiliary_loss_stored_by_forward_carries_its_gradient() -> None:
         for a, b in zip(ort.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
     assert _stats(AuxiliaryLoss).ort_calls == 3
+
+
+def test_a_tuple_of_tensors_assigned_by_forward_is_assigned_again_each_call() -> None:
+    ort, eager = _twins(KeepsKeysAndValues)
+    for length in (3, 5):
+        x = torch.randn(2, length, 4)
+        torch.testing.assert_close(ort(x), type(eager).forward(eager, x), rtol=1e-5, atol=1e-6)
+        assert ort.kv is not None and eager.kv is not None
+        for a, b in zip(ort.kv, eager.kv, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert _stats(KeepsKeysAndValues).ort_calls == 2
 
 
 def test_buffers_updated_in_place_by_forward_are_updated_by_every_call() -> None:

@@ -9,6 +9,7 @@ TransformerEncoderLayer with a new length each call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -363,13 +364,47 @@ class ReadsAGlobal(nn.Module):
         return self.fc(x) * SCALE
 
 
+@dataclasses.dataclass
+class Scaled:
+    y: torch.Tensor
+
+
+class ReturnsADataclass(nn.Module):
+    """The same stale graph, its output inside the user's dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Scaled:
+        return Scaled(self.fc(x) * SCALE)
+
+
 @pytest.fixture
 def verifying() -> Iterator[None]:
     from ort_autopatch.engine import EngineOptions
 
-    patcher.patch(ReadsAGlobal, patcher.Settings(engine=EngineOptions(verify=3)))
+    for cls in (ReadsAGlobal, ReturnsADataclass):
+        patcher.patch(cls, patcher.Settings(engine=EngineOptions(verify=3)))
     yield
-    patcher.unpatch(ReadsAGlobal)
+    for cls in (ReadsAGlobal, ReturnsADataclass):
+        patcher.unpatch(cls)
+
+
+@pytest.mark.usefixtures("verifying")
+def test_verify_compares_the_tensors_inside_a_dataclass_output() -> None:
+    global SCALE
+    model = ReturnsADataclass()
+    x = _lengths((3, 4))[0]
+    model(x)
+    SCALE = 3.0
+    try:
+        torch.testing.assert_close(model(x).y, type(model).forward(model, x).y)
+    finally:
+        SCALE = 2.0
+    stats = _stats(ReturnsADataclass)
+    assert stats.verify_mismatches == 1
+    assert stats.eager_calls["fallback: verification mismatch"] == 1
 
 
 @pytest.mark.usefixtures("verifying")

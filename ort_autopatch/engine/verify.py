@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ort_autopatch.engine import trees
 from ort_autopatch.engine.errors import EngineError, FailureKind
 
 #: A difference is a mismatch beyond max|expected| * RTOL + ATOL, per tensor.
@@ -125,9 +125,11 @@ def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _float_leaves(output: Any) -> list[torch.Tensor]:
+    # trees.flatten: the tensors inside dataclasses (the user's, and the patcher's Replay of
+    # attribute writes) are compared too; pytree would see one opaque leaf
     return [
         t
-        for t in pytree.tree_leaves(output)
+        for t in trees.flatten(output)[0]
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
     ]
 

@@ -504,7 +504,9 @@ class _Instance:
                 continue  # train flags are part of every key: a change reads as a mode change
             self._guard(owner, name, path)
         try:
-            replay = side_effects(writes, seen, _same_guard, hazards.traced_constant)
+            replay = side_effects(
+                writes, seen, _same_guard, hazards.traced_constant, hazards.traced_detached
+            )
         except Unreplayable as exc:
             # Once may be a first call's setup; the same attribute again means every call.
             self._refusals[exc.key] += 1
@@ -519,7 +521,10 @@ class _Instance:
             if not error.once:
                 self.unreplayable = error
             raise error from None
-        return Replay(output, replay) if replay else output
+        if replay is None:
+            return output
+        replay.output = output
+        return replay
 
 
 def _fallback_remedies(name: str) -> str:

@@ -211,6 +211,7 @@ class Replay:
 
     output: Any
     writes: dict[str, Any]
+    detached: frozenset[str] = frozenset()  # paths forward assigned `.detach()`-ed tensors to
 
     def apply(self, root: Any) -> Any:
         """Assign the tensors as forward did, and hand back the user's output."""
@@ -219,7 +220,11 @@ class Replay:
             owner = root
             for part in owner_path.split(".") if owner_path else []:
                 owner = getattr(owner, part)
-            setattr(owner, name, value.tensor if type(value) is Frozen else value)
+            if type(value) is Frozen:
+                value = value.tensor
+            elif path in self.detached:
+                value = _detach(value)
+            setattr(owner, name, value)
         return self.output
 
 
@@ -246,14 +251,18 @@ def side_effects(
     seen: list[tuple[Any, str, Any, Any]],
     same: Callable[[Any, Any], bool],
     constant: Callable[[torch.Tensor], bool],
-) -> dict[str, Any]:
+    detached: Callable[[torch.Tensor], bool],
+) -> Replay | None:
     """Undo every write of a trace and return the tensors to replay after each call, by path.
 
     Raises `Unreplayable` for a write a graph cannot repeat, after undoing all of them, so
     the eager run that follows writes once, as without the tool. `same(a, b)` compares two
-    values as the guards do; `constant(t)` says whether the trace computed `t` from no input.
+    values as the guards do; `constant(t)` says whether the trace computed `t` from no input,
+    `detached(t)` whether it made `t` with `.detach()`. Returns the writes to replay (its
+    `output` is filled in by the caller), or None when there are none.
     """
     replay: dict[str, Any] = {}
+    cut: set[str] = set()
     refused: Unreplayable | None = None
     for write in reversed(writes):  # the first write's `before` is restored last
         after = held(write.owner, write.name)
@@ -266,6 +275,8 @@ def side_effects(
             # Containers of tensors (a cached `(k, v)`) travel as graph outputs too.
             frozen = isinstance(after, torch.Tensor) and constant(after)
             replay[write.path] = Frozen(after) if frozen else after
+            if not frozen and all(map(detached, _leaves(after))):
+                cut.add(write.path)
             continue
         if after is write.before or (
             after is not MISSING and write.before is not MISSING and same(after, write.before)
@@ -288,7 +299,26 @@ def side_effects(
             )
     if refused is not None:
         raise refused
-    return dict(reversed(replay.items()))
+    if not replay:
+        return None
+    return Replay(None, dict(reversed(replay.items())), frozenset(cut))
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if value is not None else ()
+    return [t for v in items for t in _leaves(v)]
 
 
 def _tensors(value: Any) -> bool:

@@ -79,6 +79,20 @@ class KeepsKeysAndValues(nn.Module):
         return (x @ k.transpose(-1, -2)).softmax(-1) @ v
 
 
+class StatefulGRU(nn.Module):
+    """Keeps its hidden state between calls, detached, as truncated-BPTT scripts do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, h = self.rnn(x, self.hidden)
+        self.hidden = h.detach()
+        return out
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -132,6 +146,7 @@ class SetsUpOnce(nn.Module):
 
 
 PATCHED = (
+    StatefulGRU,
     KeepsKeysAndValues,
     CachedMask,
     AuxiliaryLoss,
@@ -201,6 +216,22 @@ def test_a_tuple_of_tensors_assigned_by_forward_is_assigned_again_each_call() ->
         for a, b in zip(ort.kv, eager.kv, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert _stats(KeepsKeysAndValues).ort_calls == 2
+
+
+def test_a_detached_hidden_state_kept_by_forward_is_detached_and_carried_over() -> None:
+    ort, eager = _twins(StatefulGRU)
+    for _ in range(3):
+        x = torch.randn(2, 5, 3)
+        for model in (ort, eager):
+            model.zero_grad()
+        ort(x).sum().backward()
+        type(eager).forward(eager, x).sum().backward()
+        assert ort.hidden is not None and eager.hidden is not None
+        assert not ort.hidden.requires_grad
+        torch.testing.assert_close(ort.hidden, eager.hidden, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ort.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert _stats(StatefulGRU).ort_calls == 3
 
 
 def test_buffers_updated_in_place_by_forward_are_updated_by_every_call() -> None:

@@ -464,3 +464,15 @@ def traced_constant(tensor: torch.Tensor) -> bool:
                 seen.add(source.unique())
                 pending.append(source)
     return True
+
+
+def traced_detached(tensor: torch.Tensor) -> bool:
+    """Whether the trace in progress made `tensor` with `.detach()`: the graph's output for it
+    is attached to ORT's autograd node, and eager's value was not."""
+    if not torch._C._is_tracing():
+        return False
+    try:
+        value = torch._C._get_value_trace(tensor)  # type: ignore[attr-defined]
+    except RuntimeError:
+        return False
+    return bool(value.node().kind() == "aten::detach")

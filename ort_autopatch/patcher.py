@@ -272,6 +272,7 @@ class _Instance:
         # refusal of one attribute sends every later call to PyTorch without tracing
         self._refusals: collections.Counter[tuple[int, str]] = collections.Counter()
         self.unreplayable: SideEffectError | None = None
+        self._replaying = False  # assigning forward's writes again (not the user's writes)
 
     # the call --------------------------------------------------------------------------------
     def call(
@@ -340,7 +341,11 @@ class _Instance:
             self._account_builds(engine)
             return self._eager_after(exc, module, eager, args, kwargs, hooked)
         if type(output) is Replay:  # forward assigns tensors to attributes: do it again
-            output = output.apply(module)
+            self._replaying = True
+            try:
+                output = output.apply(module)
+            finally:
+                self._replaying = False
         self._account_builds(engine)
         with self.stats.lock:
             self.stats.ort_calls += 1
@@ -460,8 +465,8 @@ class _Instance:
         """A write on the patched instance itself (deeper writes are caught by the guards and
         the engine's structure check on the next call)."""
         engine = self.engine
-        if engine is None or name == "training":
-            return
+        if engine is None or name == "training" or self._replaying or is_exporting():
+            return  # the trace's own writes are undone, and replays are forward's writes
         if name in module._parameters or name in module._buffers or name in module._modules:
             # The engine's structure check sees (and names) a replacement on the next call; a
             # note here would outlive FSDP2's swaps to the sharded parameter and back.

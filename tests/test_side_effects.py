@@ -93,6 +93,19 @@ class StatefulGRU(nn.Module):
         return out
 
 
+class KeepsNoise(nn.Module):
+    """Draws fresh noise every call and keeps it on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.noise: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.noise = torch.randn(4)
+        return self.fc(x) + self.noise
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -146,6 +159,7 @@ class SetsUpOnce(nn.Module):
 
 
 PATCHED = (
+    KeepsNoise,
     StatefulGRU,
     KeepsKeysAndValues,
     CachedMask,
@@ -234,6 +248,19 @@ def test_a_detached_hidden_state_kept_by_forward_is_detached_and_carried_over() 
         for a, b in zip(ort.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
     assert _stats(StatefulGRU).ort_calls == 3
+
+
+def test_noise_drawn_and_kept_by_forward_is_drawn_anew_each_call() -> None:
+    model, _ = _twins(KeepsNoise)
+    x = torch.zeros(2, 4)
+    kept = []
+    for _ in range(3):
+        out = model(x)
+        assert model.noise is not None
+        torch.testing.assert_close(out, model.fc(x) + model.noise)  # the noise it returned
+        kept.append(model.noise)
+    assert not torch.equal(kept[0], kept[1]) and not torch.equal(kept[1], kept[2])
+    assert _stats(KeepsNoise).ort_calls == 3
 
 
 def test_buffers_updated_in_place_by_forward_are_updated_by_every_call() -> None:

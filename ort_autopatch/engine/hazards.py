@@ -443,10 +443,26 @@ def strip_sizes(graph: Any) -> int:
     return stripped
 
 
+#: Parts of the names of ATen operators that draw random numbers.
+_RANDOM_WORDS = (
+    "rand",
+    "normal",
+    "bernoulli",
+    "dropout",
+    "multinomial",
+    "uniform",
+    "exponential",
+    "poisson",
+    "cauchy",
+    "geometric",
+)
+
+
 def traced_constant(tensor: torch.Tensor) -> bool:
     """Whether the trace in progress computed `tensor` from no graph input (parameters and
-    buffers are inputs too): the graph holds it as a constant, valid for every call the graph
-    serves. False outside a trace, and for a tensor the tracer never saw."""
+    buffers are inputs too) and without drawing random numbers: the graph holds it as a
+    constant, valid for every call the graph serves. False outside a trace, and for a tensor
+    the tracer never saw."""
     if not torch._C._is_tracing():
         return False
     try:
@@ -457,8 +473,9 @@ def traced_constant(tensor: torch.Tensor) -> bool:
     pending = [value]
     while pending:
         node = pending.pop().node()
-        if node.kind() == "prim::Param":
-            return False
+        kind = node.kind()
+        if kind == "prim::Param" or any(word in kind for word in _RANDOM_WORDS):
+            return False  # fed by an input, or drawn anew on every call
         for source in node.inputs():
             if source.unique() not in seen:
                 seen.add(source.unique())

@@ -129,7 +129,7 @@ step "FSDP2 (fully_shard, NCCL, $NPROC rank(s)): eager vs ORT"
 fsdp_status=$?
 if [ -f "$ROOT/benchmarks/results/fsdp2-cuda.json" ]; then cp "$ROOT/benchmarks/results/fsdp2-cuda.json" "$OUT/"; fi
 [ "$status" -ne 0 ] || status=$fsdp_status
-step "torch-calling nodes on CUDA: Functions, routed operators, fused attention (SDPA by rule)"
+step "torch-calling nodes on CUDA: Functions, routed operators, fused attention (SDPA by rule), stream order"
 (cd "$ROOT" && timeout "$(left)" "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_nodes.py \
     -k "cuda or unet or dcgan or straight_through" 2>&1 | tee "$OUT/torch_nodes-cuda.log")
 nodes_status=${PIPESTATUS[0]}

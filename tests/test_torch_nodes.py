@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 STEPS = 4
 RTOL = 1e-5
 ATOL = 1e-6
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _gen(step: int) -> torch.Generator:
@@ -75,11 +76,12 @@ class Quantised(nn.Module):
         return self.b(StraightThrough.apply(torch.tanh(self.a(x)) * 1.5, 4.0))
 
 
-def test_straight_through_estimator_runs_its_own_backward_in_the_graph() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_straight_through_estimator_runs_its_own_backward_in_the_graph(device: str) -> None:
     torch.manual_seed(0)
     run = assert_training_parity(
-        Quantised(),
-        lambda s: ((torch.randn(_batch(s), 8, generator=_gen(s)),), {}),
+        Quantised().to(device),
+        lambda s: ((torch.randn(_batch(s), 8, generator=_gen(s)).to(device),), {}),
         steps=STEPS,
         rtol=RTOL,
         atol=ATOL,
@@ -327,16 +329,46 @@ class Cumulative(nn.Module):
         return torch.cummax(h, dim=1).values + torch.cummin(h, dim=0).values
 
 
-def test_cummax_and_cummin_train_with_eager_gradients() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_cummax_and_cummin_train_with_eager_gradients(device: str) -> None:
     torch.manual_seed(5)
     run = assert_training_parity(
-        Cumulative(),
-        lambda s: ((torch.randn(_batch(s), 6, generator=_gen(s)),), {}),
+        Cumulative().to(device),
+        lambda s: ((torch.randn(_batch(s), 6, generator=_gen(s)).to(device),), {}),
         steps=STEPS,
         rtol=RTOL,
         atol=ATOL,
     )
     assert _torch_nodes(run.engine) == {"aten::cummax": 1, "aten::cummin": 1}
+
+
+class WideCumulative(nn.Module):
+    """Large tensors around a torch-calling node: ORT's kernels before and after it take long
+    enough on a GPU that a node launched on another stream would read unfinished values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+        self.b = nn.Linear(1024, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.cummax(self.a(x).relu(), dim=1).values)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_cuda_torch_node_is_ordered_with_ort_on_the_sessions_stream(side_stream: bool) -> None:
+    torch.manual_seed(6)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):  # the caller's own stream, as a user's pipeline may have
+        run = assert_training_parity(
+            WideCumulative().cuda(),
+            lambda s: ((torch.randn(512 + 64 * s, 1024, generator=_gen(s)).cuda(),), {}),
+            steps=3,
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    assert _torch_nodes(run.engine) == {"aten::cummax": 1}
 
 
 class Reductions(nn.Module):
@@ -878,7 +910,6 @@ def test_report_says_per_class_which_operators_ran_through_torch() -> None:
 
 # -- fused attention ----------------------------------------------------------------------------
 SDPA = "aten::scaled_dot_product_attention"
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class Attention(nn.Module):

@@ -3,8 +3,9 @@ PyTorch's autograd."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +89,35 @@ def _seed_dropout() -> int:
     return seed
 
 
-def _tensors(vector: Any) -> list[torch.Tensor]:
-    """Zero-copy tensors from an OrtValueVector; bools travel through DLPack as uint8."""
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[Any]:
+    """Run ORT (and the graph's torch-calling nodes) on the session's CUDA stream, ordered after
+    the caller's current stream's work and before its later work (`session.compute_stream`).
+    Yields the caller's stream (None on CPU, where this costs one comparison)."""
+    if stream is None:
+        yield None
+        return
+    caller = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield caller
+    finally:
+        caller.wait_stream(stream)
+
+
+def _tensors(vector: Any, caller: Any = None) -> list[torch.Tensor]:
+    """Zero-copy tensors from an OrtValueVector; bools travel through DLPack as uint8.
+
+    On CUDA, memory a torch-calling node allocated on the session's stream may come back as
+    an output; `record_stream` keeps PyTorch's caching allocator from reusing it while the
+    caller's stream still reads it (a no-op for ORT's own buffers)."""
     tensors: list[torch.Tensor] = vector.to_dlpacks(torch._C._from_dlpack)
     for k in vector.bool_tensor_indices():
         tensors[k] = tensors[k].to(torch.bool)
+    if caller is not None:
+        for tensor in tensors:
+            tensor.record_stream(caller)
     return tensors
 
 
@@ -111,17 +136,18 @@ def run_inference(
         _seed_dropout()
     fetches = runtime.capi().OrtValueVector()
     try:
-        program.session._sess.run_with_ortvaluevector(
-            program.run_options,
-            program.feed_names,
-            _push(feeds),
-            program.fetch_names,
-            fetches,
-            program.fetch_devices,
-        )
+        with on_stream(program.stream) as caller:
+            program.session._sess.run_with_ortvaluevector(
+                program.run_options,
+                program.feed_names,
+                _push(feeds),
+                program.fetch_names,
+                fetches,
+                program.fetch_devices,
+            )
     except Exception as exc:
         raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
-    return _post_forward(step, _tensors(fetches))
+    return _post_forward(step, _tensors(fetches, caller))
 
 
 class _RunState:
@@ -154,12 +180,12 @@ def _run_forward(
     state = capi.PartialGraphExecutionState()
     outputs_vector = capi.OrtValueVector()
     try:
-        with torch_nodes.collecting() as contexts:
+        with torch_nodes.collecting() as contexts, on_stream(program.stream) as caller:
             program.agent.run_forward(_push(feeds), outputs_vector, state, None)
     except Exception as exc:
         torch_nodes.release(contexts)
         raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
-    return state, _tensors(outputs_vector), contexts
+    return state, _tensors(outputs_vector, caller), contexts
 
 
 def _run_backward(
@@ -184,12 +210,13 @@ def _run_backward(
     _, capi = runtime.load()
     results = capi.OrtValueVector()
     try:
-        program.agent.run_backward(_push(grads), results, run.state)
+        with on_stream(program.stream) as caller:
+            program.agent.run_backward(_push(grads), results, run.state)
     except Exception as exc:
         raise _failure(step, "backward", exc) from torch_nodes.take_error() or exc
     finally:
         run.state = None
-    tensors = _tensors(results)
+    tensors = _tensors(results, caller)
     return tuple(tensors[i] if i >= 0 else None for i in program.grad_index)
 
 

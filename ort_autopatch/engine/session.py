@@ -94,13 +94,16 @@ _OPTIMIZATION_LEVELS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _providers(device: torch.device) -> list[Any]:
+def _providers(device: torch.device, stream: Any = None) -> list[Any]:
     ort, _ = runtime.load()
     available = ort.get_available_providers()
     if device.type == "cpu":
         return ["CPUExecutionProvider"]
     if device.type == "cuda" and "CUDAExecutionProvider" in available:
-        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+        cuda: dict[str, Any] = {"device_id": device.index or 0}
+        if stream is not None:
+            cuda["user_compute_stream"] = str(stream.cuda_stream)
+        return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     raise UnsupportedDeviceError(
         "",
         f"tensors on {device} but this onnxruntime build offers only {', '.join(available)}",
@@ -114,6 +117,24 @@ def ort_device(device: torch.device) -> Any:
     return capi.OrtDevice(kind, capi.OrtDevice.default_memory(), device.index or 0)
 
 
+def compute_stream(device: torch.device) -> Any:
+    """The CUDA stream a session on `device` runs on (None on CPU).
+
+    ORT 1.19.2 runs CUDA kernels on a stream of its own, created non-blocking, so it never
+    waits for PyTorch's default stream; it synchronises that stream only at the end of a run.
+    A torch-calling node inside the graph would then launch torch kernels on PyTorch's current
+    stream, unordered with the ORT kernels that produce its inputs and read its outputs. So
+    each session gets a dedicated torch stream as ORT's `user_compute_stream` (torch's default
+    stream has the handle 0, which ORT reads as "none"), every run makes it wait for the
+    caller's current stream, runs with it as torch's current stream (torch-calling nodes launch
+    on it, in order with ORT's kernels) and makes the caller's stream wait for it afterwards
+    (`bridge.on_stream`).
+    """
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)
+
+
 def _session(
     model_bytes: bytes,
     device: torch.device,
@@ -122,6 +143,7 @@ def _session(
     training: bool,
     optimized: bool = False,
     capture: bool = False,
+    stream: Any = None,
 ) -> tuple[Any, bytes | None]:
     """A session, and with `capture` ORT's optimised form of the graph.
 
@@ -130,7 +152,7 @@ def _session(
     form is specific to this machine's CPU features, which the persistent cache key covers.
     """
     ort, _ = runtime.load()
-    providers = _providers(device)
+    providers = _providers(device, stream)
     options = _session_options(settings, training)
     if optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -168,6 +190,7 @@ class InferenceProgram:
     fetch_devices: list[Any]
     run_options: Any = field(default=None)
     optimized: bytes | None = None  # ORT's optimised graph, when asked to capture it
+    stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
 
 
 def build_inference(
@@ -182,7 +205,10 @@ def build_inference(
 
     _, capi = runtime.load()
     graph = onnx.load_from_string(model_bytes).graph
-    session, captured = _session(model_bytes, device, settings, cls, False, optimized, capture)
+    stream = compute_stream(device)
+    session, captured = _session(
+        model_bytes, device, settings, cls, False, optimized, capture, stream
+    )
     feeds = [i.name for i in session.get_inputs()]
     fetches = [o.name for o in graph.output]
     return InferenceProgram(
@@ -192,6 +218,7 @@ def build_inference(
         fetch_devices=[ort_device(device)] * len(fetches),
         run_options=capi.RunOptions(),
         optimized=captured,
+        stream=stream,
     )
 
 
@@ -225,6 +252,7 @@ class TrainingProgram:
     backward_reads_feeds: tuple[int, ...] = ()
     backward_reads_outputs: tuple[int, ...] = ()
     optimized: bytes | None = None  # ORT's optimised graph, when asked to capture it
+    stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
 
 
 def build_gradient(
@@ -393,7 +421,10 @@ def build_training(
     _, capi = runtime.load()
     model = optimized or gradient.model
     proto = onnx.load_from_string(model)
-    session, captured = _session(model, device, settings, cls, True, optimized is not None, capture)
+    stream = compute_stream(device)
+    session, captured = _session(
+        model, device, settings, cls, True, optimized is not None, capture, stream
+    )
     fw_feeds = [i.name for i in proto.graph.input]
     bw_fetches = [o.name for o in proto.graph.output]
     dev = ort_device(device)
@@ -427,6 +458,7 @@ def build_training(
             k for k, name in enumerate(yielded[: gradient.num_outputs]) if read(name)
         ),
         optimized=captured,
+        stream=stream,
     )
 
 

@@ -81,6 +81,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks; results land in benchmarks/results/*.json."""
     _install(session, "psutil", TRANSFORMERS)
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
+    session.run("python", "benchmarks/bench_profile.py")
     session.run("python", "benchmarks/bench_import_hook.py")
     session.run("python", "benchmarks/bench_launcher.py")
     session.run("python", "benchmarks/bench_dispatch.py")

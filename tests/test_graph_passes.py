@@ -197,3 +197,59 @@ def test_gather_grad_with_tensor_indices_is_left_alone() -> None:
     model = _model([node], ["shape", "ids", "dy"], ["dx"])
     assert graph.gather_grad_as_slice_grad(model) == 0
     assert [n.op_type for n in model.graph.node] == ["GatherGrad"]
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_summed_gather_grads_of_leading_indices_become_one_padded_concat(size: int) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    x = np.zeros((size, 4, 2), dtype=np.float32)
+    rng = np.random.default_rng(1)
+    grads = {f"dy{i}": rng.standard_normal((4, 2)).astype(np.float32) for i in range(3)}
+
+    def model() -> onnx.ModelProto:
+        nodes = []
+        for i in range(3):
+            nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [f"i{i}"],
+                    value=helper.make_tensor(f"i{i}", TensorProto.INT64, [], [(2, 0, 1)[i]]),
+                )
+            )
+            nodes.append(helper.make_node("Shape", ["x"], [f"s{i}"]))  # one Shape per gradient
+            nodes.append(
+                helper.make_node(
+                    "GatherGrad",
+                    [f"s{i}", f"i{i}", f"dy{i}"],
+                    [f"dx{i}"],
+                    axis=0,
+                    domain="com.microsoft",
+                )
+            )
+        nodes.append(helper.make_node("Sum", ["dx0", "dx1", "dx2"], ["dx"]))
+        graph_inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)]
+        graph_inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in grads]
+        return helper.make_model(
+            helper.make_graph(
+                nodes, "g", graph_inputs, [helper.make_tensor_value_info("dx", 1, None)]
+            ),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+        )
+
+    def run(m: onnx.ModelProto) -> np.ndarray:
+        m.ir_version = 8
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(m.SerializeToString(), options, ["CPUExecutionProvider"])
+        return session.run(None, {"x": x, **grads})[0]
+
+    expected = run(model())
+    rewritten = model()
+    assert graph.gather_grad_as_slice_grad(rewritten) == 3
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Sum" not in ops and "SliceGrad" not in ops and "Pad" in ops
+    np.testing.assert_array_equal(run(rewritten), expected)
+    assert expected.shape == (size, 4, 2) and not expected[3:].any()

@@ -90,6 +90,8 @@ class _Recording:
         return f"{prefix}.{name}" if prefix else name
 
     def read(self, owner: Any, name: str, value: Any) -> None:
+        if id(owner) not in self.path:
+            return  # a copy forward made of a watched object (its class came along): not state
         path = self._path(owner, name)
         self.reads.append((owner, name, path))
         key = (id(owner), name)
@@ -99,6 +101,8 @@ class _Recording:
             self.watch(value, path)  # config.flag reads are guarded too
 
     def wrote(self, owner: Any, name: str) -> None:
+        if id(owner) not in self.path:
+            return  # a copy forward made and changes (transformers' `get_text_config`)
         key = (id(owner), name)
         if key in self.written:
             return

@@ -8,6 +8,7 @@ send the class to PyTorch, named; never a value frozen at the traced call.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -158,7 +159,23 @@ class SetsUpOnce(nn.Module):
         return self.fc(x)
 
 
+class CopiesItsConfig(nn.Module):
+    """transformers' `get_text_config` deep-copies the config and edits the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.config = Config()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        edited = copy.deepcopy(self.config)
+        del edited.problem_type
+        edited.scale = 2.0
+        return self.fc(x) * edited.scale
+
+
 PATCHED = (
+    CopiesItsConfig,
     KeepsNoise,
     StatefulGRU,
     KeepsKeysAndValues,
@@ -328,3 +345,13 @@ def test_a_write_that_keeps_the_value_keeps_the_graph() -> None:
         ort(torch.randn(3, 2))
     stats = _stats(SetsAFlag)
     assert stats.ort_calls == 3 and stats.exports == 1
+
+
+def test_a_copy_forward_makes_and_edits_is_not_the_modules_state() -> None:
+    ort, eager = _twins(CopiesItsConfig)
+    for _ in range(3):
+        x = torch.randn(3, 2)
+        torch.testing.assert_close(ort(x), type(eager).forward(eager, x))
+    assert ort.config.problem_type is None
+    stats = _stats(CopiesItsConfig)
+    assert stats.ort_calls == 3 and not stats.eager_calls

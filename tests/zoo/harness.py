@@ -173,15 +173,20 @@ def run(entry: Entry, steps: int = STEPS, timing_steps: int = 0, device: str = "
     finally:
         if newly_patched:
             patcher.unpatch(cls)
+    # A first call that set state once (transformers' loss sets `config.problem_type`) runs in
+    # PyTorch by design; every later call must reach ORT.
+    setup = stats.eager_calls.get("forward changed state: traced again next call", 0)
     if failure is not None:
         result.status = "fallback"
         result.reason = f"{failure[0]}: {failure[1]}"
-    elif stats.ort_calls < steps:
+    elif stats.ort_calls < steps - min(setup, 1):
         result.status = "eager"
         result.reason = ", ".join(stats.eager_calls) or "calls did not reach ONNX Runtime"
     elif max(result.loss_rel, result.grad_rel) > RTOL:
         result.status = "mismatch"
         result.reason = f"{result.worst}: relative difference {result.grad_rel:.2e}"
+    elif setup:
+        result.reason = "first call in PyTorch: forward set state once"
     return result
 
 

@@ -309,11 +309,17 @@ class _Instance:
             # (below) frees them, and the backward hooks it puts on inputs and outputs fire
             # around ORT's backward as around eager autograd.
             args, kwargs = run_pre_hooks(module, args, kwargs)
+
+        def in_pytorch() -> Any:
+            if hooked:
+                return forward_without_hooks(module, args, kwargs)
+            return eager(module, *args, **kwargs)
+
         if self.unreplayable is not None:
             # forward changes state on every call: no graph, and no more traces to learn it
-            output = self._eager_after(self.unreplayable, module, eager, args, kwargs, hooked)
+            output = self._eager_after(self.unreplayable, module, in_pytorch)
         else:
-            output = self._ort_call(module, eager, args, kwargs, hooked)
+            output = self._ort_call(module, args, kwargs, in_pytorch)
         if hooked:
             output = run_post_hooks(module, args, kwargs, output)
         return output
@@ -321,10 +327,9 @@ class _Instance:
     def _ort_call(
         self,
         module: torch.nn.Module,
-        eager: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        hooked: bool,
+        in_pytorch: Callable[[], Any],
     ) -> Any:
         settings, engine = self.settings, self.engine
         assert engine is not None
@@ -339,7 +344,7 @@ class _Instance:
             )
         except Exception as exc:
             self._account_builds(engine)
-            return self._eager_after(exc, module, eager, args, kwargs, hooked)
+            return self._eager_after(exc, module, in_pytorch)
         if type(output) is Replay:  # forward assigns tensors to attributes: do it again
             self._replaying = True
             try:
@@ -352,13 +357,7 @@ class _Instance:
         return output
 
     def _eager_after(
-        self,
-        exc: Exception,
-        module: torch.nn.Module,
-        eager: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        hooked: bool,
+        self, exc: Exception, module: torch.nn.Module, in_pytorch: Callable[[], Any]
     ) -> Any:
         """Run the call in PyTorch after `exc`, as the fallback policy says (or raise)."""
         if isinstance(exc, SideEffectError) and exc.once:
@@ -369,11 +368,10 @@ class _Instance:
                 self.stats.eager_calls["forward changed state: traced again next call"] += 1
         else:
             if not _falls_back(self.settings.fallback, exc):
-                raise exc
+                # a remembered error is raised again on later calls: no growing traceback
+                raise exc.with_traceback(None)
             self._fallback(exc, distributed.mixed_precision(module))
-        if hooked:
-            return forward_without_hooks(module, args, kwargs)
-        return eager(module, *args, **kwargs)
+        return in_pytorch()
 
     def _account_verification(self, result: Any) -> None:
         stats = self.stats

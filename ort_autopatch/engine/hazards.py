@@ -463,11 +463,8 @@ def traced_constant(tensor: torch.Tensor) -> bool:
     buffers are inputs too) and without drawing random numbers: the graph holds it as a
     constant, valid for every call the graph serves. False outside a trace, and for a tensor
     the tracer never saw."""
-    if not torch._C._is_tracing():
-        return False
-    try:
-        value = torch._C._get_value_trace(tensor)  # type: ignore[attr-defined]
-    except RuntimeError:
+    value = _traced_value(tensor)
+    if value is None:
         return False
     seen = {value.unique()}
     pending = [value]
@@ -486,10 +483,15 @@ def traced_constant(tensor: torch.Tensor) -> bool:
 def traced_detached(tensor: torch.Tensor) -> bool:
     """Whether the trace in progress made `tensor` with `.detach()`: the graph's output for it
     is attached to ORT's autograd node, and eager's value was not."""
+    value = _traced_value(tensor)
+    return value is not None and bool(value.node().kind() == "aten::detach")
+
+
+def _traced_value(tensor: torch.Tensor) -> Any:
+    """The trace in progress's value for `tensor` (a `torch._C.Value`), or None."""
     if not torch._C._is_tracing():
-        return False
+        return None
     try:
-        value = torch._C._get_value_trace(tensor)  # type: ignore[attr-defined]
+        return torch._C._get_value_trace(tensor)  # type: ignore[attr-defined]
     except RuntimeError:
-        return False
-    return bool(value.node().kind() == "aten::detach")
+        return None

@@ -37,6 +37,9 @@ def _engine(model: torch.nn.Module) -> object:
 
 def test_deleting_a_model_and_its_optimizer_frees_its_sessions() -> None:
     gc.collect()  # models of earlier tests
+    # A session of an earlier test that dies during this one (its model held a while longer
+    # by a finishing thread) would make the count drift: hold them, so only this model's count.
+    earlier = list(session._live)
     before = session.live_sessions()
     model = Mlp()
     opt = torch.optim.AdamW(model.parameters())
@@ -52,12 +55,13 @@ def test_deleting_a_model_and_its_optimizer_frees_its_sessions() -> None:
     del model, opt
     gc.collect()
     assert alive() is None
-    assert session.live_sessions() == before
+    assert session.live_sessions() == before == len(earlier)
 
 
 def test_sessions_alive_equal_cached_graphs_under_a_small_bound() -> None:
     repatch(Mlp, patcher.Settings(engine=EngineOptions(cache_size=2)))
     gc.collect()  # models of earlier tests
+    earlier = list(session._live)  # held: none of them dies during this test
     before = session.live_sessions()
     model = Mlp()
     for rank_extra in range(4):  # four signatures (ranks) through a 2-graph cache
@@ -70,6 +74,7 @@ def test_sessions_alive_equal_cached_graphs_under_a_small_bound() -> None:
         engine = _engine(model)
         assert engine.cached_graphs <= 2
         assert session.live_sessions() - before == engine.cached_graphs
+    assert len(earlier) == before
 
 
 def test_forward_without_backward_frees_its_activations() -> None:

@@ -37,8 +37,9 @@ def _engine(model: torch.nn.Module) -> object:
 
 def test_deleting_a_model_and_its_optimizer_frees_its_sessions() -> None:
     gc.collect()  # models of earlier tests
-    # A session of an earlier test that dies during this one (its model held a while longer
-    # by a finishing thread) would make the count drift: hold them, so only this model's count.
+    # A session of an earlier test that dies during this one would make the count drift (seen
+    # once in CI, on a fresh checkout with 2 threads; which earlier test's model outlived its
+    # gc.collect() is not pinned down): hold them, so only this model's sessions are counted.
     earlier = list(session._live)
     before = session.live_sessions()
     model = Mlp()

@@ -10,7 +10,7 @@ and the parameters after the optimizer step.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,3 +208,22 @@ def repatch(cls: type, settings: Any) -> None:
 
     patcher.unpatch(cls)
     patcher.patch(cls, settings)
+
+
+def patched(classes: Sequence[type], settings: Any = None) -> Iterator[None]:
+    """The body of a test module's patching fixture: a fresh report, `classes` patched (with
+    `settings`, a `patcher.Settings`) for the test, and every class unpatched after it."""
+    from ort_autopatch import patcher, report
+
+    report.reset()
+    for cls in classes:
+        patcher.patch(cls, settings)
+    yield
+    patcher.unpatch_all()
+
+
+def class_stats(cls: type) -> Any:
+    """The report's counters (`report.ClassStats`) of a patched class."""
+    from ort_autopatch import patcher, report
+
+    return report.stats_for(patcher.class_name(cls))

@@ -12,7 +12,7 @@ from torch import nn
 
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import sandbox
-from tests.helpers import assert_close
+from tests.helpers import assert_close, patched
 
 
 class TwoBranch(nn.Module):
@@ -38,11 +38,7 @@ class Diagonal(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    for cls in (TwoBranch, Diagonal):
-        patcher.patch(cls)
-    yield
-    patcher.unpatch_all()
+    yield from patched((TwoBranch, Diagonal))
 
 
 def _stats(cls: type) -> report.ClassStats:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher, report
+from tests.helpers import class_stats, patched
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -153,19 +154,11 @@ PATCHED = (
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    for cls in PATCHED:
-        patcher.patch(cls)
-    yield
-    patcher.unpatch_all()
-
-
-def _stats(cls: type) -> report.ClassStats:
-    return report.stats_for(patcher.class_name(cls))
+    yield from patched(PATCHED)
 
 
 def _hazards(cls: type) -> set[tuple[str, str]]:
-    return {(kind, where) for kind, _, where in _stats(cls).trace_hazards}
+    return {(kind, where) for kind, _, where in class_stats(cls).trace_hazards}
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -206,7 +199,7 @@ def test_len_of_the_batch_gives_each_batch_size_its_own_graph() -> None:
     torch.manual_seed(0)
     model = LenScale()
     _compare_calls(model, _lengths((2, 4), (5, 4), (2, 4), (3, 4)))
-    stats = _stats(LenScale)
+    stats = class_stats(LenScale)
     assert stats.ort_calls == 4 and not stats.eager_calls
     assert stats.per_shape_graphs == 3  # 2, 5 and 3 rows; the graph for 2 rows is reused
     assert (("shape", _line_of(LenScale, "len(x)"))) in _hazards(LenScale)
@@ -216,7 +209,7 @@ def test_a_loop_over_time_runs_each_length_through_its_own_graph() -> None:
     torch.manual_seed(0)
     model = UnrolledRNN()
     _compare_calls(model, _lengths((2, 3, 4), (2, 5, 4), (3, 3, 4), (2, 5, 4)))
-    stats = _stats(UnrolledRNN)
+    stats = class_stats(UnrolledRNN)
     assert stats.ort_calls == 4 and not stats.eager_calls
     assert ("shape", _line_of(UnrolledRNN, "range(x.size(1))")) in _hazards(UnrolledRNN)
     assert stats.per_shape_graphs >= 2
@@ -227,7 +220,7 @@ def test_int_of_a_size_is_recomputed_for_every_call() -> None:
     torch.manual_seed(0)
     model = IntOfShape()
     _compare_calls(model, _lengths((2, 6, 4), (2, 8, 4), (4, 6, 4)))
-    assert _stats(IntOfShape).ort_calls == 3
+    assert class_stats(IntOfShape).ort_calls == 3
     assert ("shape", _line_of(IntOfShape, "int(x.shape[1])")) in _hazards(IntOfShape)
 
 
@@ -235,7 +228,7 @@ def test_a_branch_on_a_size_keeps_one_graph_until_the_branch_flips() -> None:
     torch.manual_seed(0)
     model = LengthThreshold()
     _compare_calls(model, _lengths((2, 2, 4), (3, 3, 4), (2, 4, 4), (2, 6, 4), (2, 3, 4)))
-    stats = _stats(LengthThreshold)
+    stats = class_stats(LengthThreshold)
     assert stats.ort_calls == 5 and not stats.eager_calls
     assert ("shape", _line_of(LengthThreshold, "x.size(1) > 4")) in _hazards(LengthThreshold)
 
@@ -247,7 +240,7 @@ def test_a_branch_on_values_runs_in_pytorch_with_the_reason_and_place() -> None:
     positive = torch.rand(3, 4, generator=g) + 0.1
     mixed = torch.randn(3, 4, generator=g)
     _compare_calls(model, [positive, mixed, positive, mixed])
-    stats = _stats(DataBranch)
+    stats = class_stats(DataBranch)
     assert stats.ort_calls == 0
     assert stats.eager_calls["fallback: data-dependent control flow"] == 4
     assert ("value", _line_of(DataBranch, "bool((x > 0).all())")) in _hazards(DataBranch)
@@ -259,7 +252,7 @@ def test_split_over_time_gives_each_length_its_own_graph() -> None:
     torch.manual_seed(0)
     model = SplitOverTime()
     _compare_calls(model, _lengths((2, 3, 4), (2, 5, 4), (2, 3, 4)))
-    stats = _stats(SplitOverTime)
+    stats = class_stats(SplitOverTime)
     assert stats.ort_calls == 3 and not stats.eager_calls
     assert stats.per_shape_graphs == 2
     assert ("shape", _line_of(SplitOverTime, "torch.split")) in _hazards(SplitOverTime)
@@ -271,7 +264,7 @@ def test_attention_runs_every_new_length_in_one_graph(cls: type[nn.Module]) -> N
     model = cls()
     sizes = [(3, 5, 8), (3, 7, 8), (2, 9, 8), (4, 2, 8), (3, 5, 8)]
     _compare_calls(model, _lengths(*sizes))
-    stats = _stats(cls)
+    stats = class_stats(cls)
     assert stats.ort_calls == len(sizes) and not stats.eager_calls
     assert stats.exports == 1 and stats.per_shape_graphs == 0
     assert not any(kind == "value" for kind, _ in _hazards(cls))
@@ -296,7 +289,7 @@ def test_a_tensor_attribute_replaced_or_changed_in_place_rebuilds_and_never_cras
         change(model)
         change(twin)
         same()
-    stats = _stats(TensorAttribute)
+    stats = class_stats(TensorAttribute)
     # The float64 attribute makes a float64 training graph, which ORT's CPU build cannot
     # differentiate: that call runs in PyTorch with the dtype named, never a crash.
     assert stats.ort_calls == 4
@@ -314,7 +307,7 @@ def test_eval_between_training_steps_reads_as_a_mode_change() -> None:
         model.train(mode)
         twin.train(mode)
         torch.testing.assert_close(model(x), type(model).forward(twin, x), **TOL)
-    stats = _stats(TensorAttribute)
+    stats = class_stats(TensorAttribute)
     assert stats.rebuilds == {"train/eval mode changed": 1}
     assert stats.ort_calls == 3
 
@@ -342,7 +335,7 @@ def test_400_steps_of_random_batch_sizes_and_lengths_stay_in_ort_with_eager_loss
             optimizer.step()
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-5), f"step {step}"
-    stats = _stats(TokenEncoder)
+    stats = class_stats(TokenEncoder)
     total = stats.ort_calls + sum(stats.eager_calls.values())
     assert stats.ort_calls >= 0.95 * total
     assert stats.exports + stats.cache_loads <= 3
@@ -402,7 +395,7 @@ def test_verify_compares_the_tensors_inside_a_dataclass_output() -> None:
         torch.testing.assert_close(model(x).y, type(model).forward(model, x).y)
     finally:
         SCALE = 2.0
-    stats = _stats(ReturnsADataclass)
+    stats = class_stats(ReturnsADataclass)
     assert stats.verify_mismatches == 1
     assert stats.eager_calls["fallback: verification mismatch"] == 1
 
@@ -420,7 +413,7 @@ def test_verify_catches_a_graph_that_went_stale_and_sends_its_calls_to_pytorch()
             torch.testing.assert_close(model(x), type(model).forward(model, x))
     finally:
         SCALE = 2.0
-    stats = _stats(ReadsAGlobal)
+    stats = class_stats(ReadsAGlobal)
     assert stats.ort_calls == 1
     assert stats.eager_calls["fallback: verification mismatch"] == 2
     assert stats.verified_calls == 2 and stats.verify_mismatches == 1
@@ -441,7 +434,7 @@ def _encoder_calls(verify: int) -> tuple[torch.Tensor, list[torch.Tensor], repor
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     for length in (7, 5, 9, 7, 6):
         model(tokens[:, :length]).sum().backward()
-    return torch.random.get_rng_state(), _grads(model), _stats(TokenEncoder)
+    return torch.random.get_rng_state(), _grads(model), class_stats(TokenEncoder)
 
 
 def test_verify_reports_the_worst_difference_and_leaves_the_users_state_alone() -> None:
@@ -464,6 +457,6 @@ def test_verify_says_a_graph_with_dropout_was_not_verified() -> None:
     model = TensorAttribute()
     model.drop.p = 0.5
     model(_lengths((3, 4))[0]).sum().backward()
-    stats = _stats(TensorAttribute)
+    stats = class_stats(TensorAttribute)
     assert stats.verified_calls == 0
     assert stats.unverified == {"random operators (Dropout)": 1}

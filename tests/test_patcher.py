@@ -20,7 +20,7 @@ import ort_autopatch
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineError, EngineOptions, UnsupportedInputError
 from ort_autopatch.policy import Fallback, SkipCheck
-from tests.helpers import repatch
+from tests.helpers import patched, repatch
 
 
 class UserDefinedMethodsNet(nn.Module):
@@ -137,11 +137,7 @@ NO_TORCH = EngineOptions(no_torch_ops=("aten::*erfinv", "aten::round"))
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    for cls in PATCHED:
-        patcher.patch(cls, patcher.Settings(engine=NO_TORCH))
-    yield
-    patcher.unpatch_all()
+    yield from patched(PATCHED, patcher.Settings(engine=NO_TORCH))
 
 
 def _stats(cls: type) -> report.ClassStats:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher, report
-from tests.helpers import assert_close
+from tests.helpers import assert_close, patched
 
 
 class DropoutNet(nn.Module):
@@ -40,11 +40,7 @@ class NoisyNet(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    for cls in (DropoutNet, NoisyNet):
-        patcher.patch(cls)
-    yield
-    patcher.unpatch_all()
+    yield from patched((DropoutNet, NoisyNet))
 
 
 def _ort_calls(cls: type) -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ort_autopatch import patcher, report
+from tests.helpers import class_stats, patched
 
 
 class CachedMask(nn.Module):
@@ -191,11 +191,7 @@ PATCHED = (
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    for cls in PATCHED:
-        patcher.patch(cls)
-    yield
-    patcher.unpatch_all()
+    yield from patched(PATCHED)
 
 
 def _twins(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
@@ -207,10 +203,6 @@ def _twins(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
     return ort, eager
 
 
-def _stats(cls: type) -> report.ClassStats:
-    return report.stats_for(patcher.class_name(cls))
-
-
 def test_a_mask_cached_on_the_module_is_written_back_as_eager_writes_it() -> None:
     ort, eager = _twins(CachedMask)
     for length in (5, 5, 3, 5, 7, 7, 3):
@@ -218,7 +210,7 @@ def test_a_mask_cached_on_the_module_is_written_back_as_eager_writes_it() -> Non
         torch.testing.assert_close(ort(x), type(eager).forward(eager, x), rtol=1e-5, atol=1e-5)
         assert ort.mask is not None and eager.mask is not None
         assert torch.equal(ort.mask, eager.mask)
-    assert _stats(CachedMask).ort_calls == 7
+    assert class_stats(CachedMask).ort_calls == 7
 
 
 def test_an_auxiliary_loss_stored_by_forward_carries_its_gradient() -> None:
@@ -235,7 +227,7 @@ def test_an_auxiliary_loss_stored_by_forward_carries_its_gradient() -> None:
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
         for a, b in zip(ort.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
-    stats = _stats(AuxiliaryLoss)
+    stats = class_stats(AuxiliaryLoss)
     assert stats.ort_calls == 3
     assert stats.ignored_writes == 0  # forward's writes, assigned again, are not the user's
 
@@ -248,7 +240,7 @@ def test_a_tuple_of_tensors_assigned_by_forward_is_assigned_again_each_call() ->
         assert ort.kv is not None and eager.kv is not None
         for a, b in zip(ort.kv, eager.kv, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert _stats(KeepsKeysAndValues).ort_calls == 2
+    assert class_stats(KeepsKeysAndValues).ort_calls == 2
 
 
 def test_a_detached_hidden_state_kept_by_forward_is_detached_and_carried_over() -> None:
@@ -264,7 +256,7 @@ def test_a_detached_hidden_state_kept_by_forward_is_detached_and_carried_over() 
         torch.testing.assert_close(ort.hidden, eager.hidden, rtol=1e-5, atol=1e-6)
         for a, b in zip(ort.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
-    assert _stats(StatefulGRU).ort_calls == 3
+    assert class_stats(StatefulGRU).ort_calls == 3
 
 
 def test_noise_drawn_and_kept_by_forward_is_drawn_anew_each_call() -> None:
@@ -277,7 +269,7 @@ def test_noise_drawn_and_kept_by_forward_is_drawn_anew_each_call() -> None:
         torch.testing.assert_close(out, model.fc(x) + model.noise)  # the noise it returned
         kept.append(model.noise)
     assert not torch.equal(kept[0], kept[1]) and not torch.equal(kept[1], kept[2])
-    assert _stats(KeepsNoise).ort_calls == 3
+    assert class_stats(KeepsNoise).ort_calls == 3
 
 
 def test_buffers_updated_in_place_by_forward_are_updated_by_every_call() -> None:
@@ -292,7 +284,7 @@ def test_buffers_updated_in_place_by_forward_are_updated_by_every_call() -> None
     x = torch.randn(2, 3)
     torch.testing.assert_close(ort(x), type(eager).forward(eager, x), rtol=1e-5, atol=1e-6)
     assert ort.steps.item() == 4
-    assert _stats(RunningStats).ort_calls == 5
+    assert class_stats(RunningStats).ort_calls == 5
 
 
 def test_a_python_counter_written_by_forward_runs_in_pytorch_named() -> None:
@@ -301,7 +293,7 @@ def test_a_python_counter_written_by_forward_runs_in_pytorch_named() -> None:
     for _ in range(3):
         torch.testing.assert_close(ort(x), type(eager).forward(eager, x))
         assert ort.calls == eager.calls  # the refused trace's write was undone: one per call
-    stats = _stats(Counter)
+    stats = class_stats(Counter)
     assert stats.ort_calls == 0
     ((reason, detail),) = stats.fallbacks
     assert reason == "forward changes state a graph cannot replay"
@@ -313,7 +305,7 @@ def test_a_class_that_changes_state_every_call_is_traced_twice_at_most() -> None
     ort, _ = _twins(Counter)
     for _ in range(5):
         ort(torch.randn(3, 2))
-    stats = _stats(Counter)
+    stats = class_stats(Counter)
     assert stats.eager_calls["forward changed state: traced again next call"] == 1
     assert sum(stats.fallbacks.values()) == 4  # the second trace's refusal, then no traces
 
@@ -324,7 +316,7 @@ def test_state_written_once_runs_that_call_in_pytorch_and_the_rest_in_ort() -> N
         x = torch.randn(3, 2)
         torch.testing.assert_close(ort(x), type(eager).forward(eager, x))
     assert ort.config.problem_type == "regression"
-    stats = _stats(SetsUpOnce)
+    stats = class_stats(SetsUpOnce)
     assert stats.ort_calls == 3 and not stats.fallbacks
     assert dict(stats.eager_calls) == {"forward changed state: traced again next call": 1}
 
@@ -335,7 +327,7 @@ def test_a_list_appended_to_by_forward_runs_in_pytorch_named() -> None:
     for _ in range(3):
         torch.testing.assert_close(ort(x), type(eager).forward(eager, x))
     assert ort.sizes == eager.sizes == [3, 3, 3]
-    ((_, detail),) = _stats(History).fallbacks
+    ((_, detail),) = class_stats(History).fallbacks
     assert "forward changes History.sizes in place" in detail
 
 
@@ -343,7 +335,7 @@ def test_a_write_that_keeps_the_value_keeps_the_graph() -> None:
     ort, _ = _twins(SetsAFlag)
     for _ in range(3):
         ort(torch.randn(3, 2))
-    stats = _stats(SetsAFlag)
+    stats = class_stats(SetsAFlag)
     assert stats.ort_calls == 3 and stats.exports == 1
 
 
@@ -353,5 +345,5 @@ def test_a_copy_forward_makes_and_edits_is_not_the_modules_state() -> None:
         x = torch.randn(3, 2)
         torch.testing.assert_close(ort(x), type(eager).forward(eager, x))
     assert ort.config.problem_type is None
-    stats = _stats(CopiesItsConfig)
+    stats = class_stats(CopiesItsConfig)
     assert stats.ort_calls == 3 and not stats.eager_calls

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ort_autopatch import patcher, report
+from tests.helpers import patched
 from tests.reliability.models import Mlp
 
 TIMEOUT = 120
@@ -17,10 +18,7 @@ TIMEOUT = 120
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    patcher.patch(Mlp)
-    yield
-    patcher.unpatch_all()
+    yield from patched((Mlp,))
 
 
 def _train(model: Mlp, seed: int, steps: int = 5) -> list[float]:

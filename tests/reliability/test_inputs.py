@@ -14,7 +14,7 @@ from torch import nn
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import MixedDevicesError, UnsupportedInputError
 from ort_autopatch.policy import Fallback
-from tests.helpers import repatch
+from tests.helpers import patched, repatch
 
 
 class Dense(nn.Module):
@@ -84,11 +84,7 @@ PATCHED = (Dense, Conv, Mixed, AnyArgs, Nested, Fields)
 
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
-    report.reset()
-    for cls in PATCHED:
-        patcher.patch(cls)
-    yield
-    patcher.unpatch_all()
+    yield from patched(PATCHED)
 
 
 def _compare(model: nn.Module, *args: Any, in_ort: bool = True) -> None:

@@ -107,6 +107,33 @@ class KeepsNoise(nn.Module):
         return self.fc(x) + self.noise
 
 
+class Tracker(nn.Module):
+    """Not selected: a submodule that keeps its last output and counts its calls in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        self.calls += 1
+        self.last = y
+        return y
+
+
+class HoldsTrackers(nn.Module):
+    """The writes happen two levels below the selected module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Tracker(), nn.ReLU(), Tracker())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).sum(-1)
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -175,6 +202,7 @@ class CopiesItsConfig(nn.Module):
 
 
 PATCHED = (
+    HoldsTrackers,
     CopiesItsConfig,
     KeepsNoise,
     StatefulGRU,
@@ -347,3 +375,20 @@ def test_a_copy_forward_makes_and_edits_is_not_the_modules_state() -> None:
     assert ort.config.problem_type is None
     stats = class_stats(CopiesItsConfig)
     assert stats.ort_calls == 3 and not stats.eager_calls
+
+
+def test_writes_in_submodules_are_replayed_on_the_submodules() -> None:
+    ort, eager = _twins(HoldsTrackers)
+    for batch in (2, 5, 3):
+        x = torch.randn(batch, 3)
+        for model in (ort, eager):
+            model.zero_grad()
+        ort(x).sum().backward()
+        type(eager).forward(eager, x).sum().backward()
+        for mine, theirs in zip(ort.blocks[::2], eager.blocks[::2], strict=True):
+            assert mine.calls.item() == theirs.calls.item()
+            torch.testing.assert_close(mine.last, theirs.last, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ort.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert ort.blocks[0].calls.item() == 3
+    assert class_stats(HoldsTrackers).ort_calls == 3

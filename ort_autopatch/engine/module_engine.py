@@ -190,6 +190,9 @@ class ModuleEngine:
     """Runs calls of one module instance through cached ONNX Runtime graphs.
 
     `forward(module, *args, **kwargs)` is what gets exported (default: `module.forward`).
+    Buffers forward updates in place are graph outputs copied back after each call; attribute
+    writes are the caller's to handle (the patcher's recording forward undoes and replays them,
+    `recording.py`): with the default forward, a graph does not repeat them.
     With `weak=True` the engine holds its module only weakly, so an engine cached per instance
     (in a WeakKeyDictionary, as the patcher does) never keeps a model alive.
     """

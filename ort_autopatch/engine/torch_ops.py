@@ -82,6 +82,15 @@ def _rank(value: Any) -> int:
     return -1 if rank is None else int(rank)
 
 
+def _tensor_outputs(node: Any, label: str) -> list[Any]:
+    """A traced node's outputs, which a torch-calling node can return only as tensors."""
+    outputs = list(node.outputs())
+    for out in outputs:
+        if not isinstance(out.type(), torch._C.TensorType):
+            raise NotRoutable(f"{label} returns a {out.type()}, not tensors")
+    return outputs
+
+
 def emit(
     g: Any,
     *,
@@ -171,10 +180,7 @@ def autograd_function(g: Any, *args: Any, **kwargs: Any) -> Any:
                 "would freeze; pass tensors as direct arguments of apply()"
             )
         template.append(arg)
-    outputs = list(n.outputs())
-    for out in outputs:
-        if not isinstance(out.type(), torch._C.TensorType):
-            raise NotRoutable(f"{label} returns a {out.type()}, not tensors")
+    outputs = _tensor_outputs(n, label)
     results = emit(
         g,
         label=label,
@@ -365,10 +371,7 @@ def aten_symbolic(name: str, largest_input: int = 0) -> Callable[..., Any]:
             kwargs = {n: v for v, n in zip(values, names, strict=True) if n is not None}
             return overload(*args, **kwargs)
 
-        outputs = list(node.outputs())
-        for out in outputs:
-            if not isinstance(out.type(), torch._C.TensorType):
-                raise NotRoutable(f"{name} returns a {out.type()}, not tensors")
+        outputs = _tensor_outputs(node, name)
         results = emit(
             g,
             label=name,

@@ -53,7 +53,7 @@ from ort_autopatch.recording import (
     Unreplayable,
     Write,
     is_recorder,
-    recording_reads,
+    recording_access,
     side_effects,
 )
 
@@ -500,7 +500,7 @@ class _Instance:
         of the graph (`Replay`), other changes send the class to PyTorch."""
         reads: list[Read] = []
         writes: list[Write] = []
-        with recording_reads(module, reads, writes) as seen:
+        with recording_access(module, reads, writes) as seen:
             output = module.forward(*args, **kwargs)
         for owner, name, path in reads:
             if name == "training" and isinstance(owner, torch.nn.Module):

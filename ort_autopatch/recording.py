@@ -186,14 +186,14 @@ def _recorder_class(cls: type) -> type:
 
 
 @contextlib.contextmanager
-def recording_reads(
-    root: torch.nn.Module, reads: list[Read], writes: list[Write] | None = None
+def recording_access(
+    root: torch.nn.Module, reads: list[Read], writes: list[Write]
 ) -> Iterator[list[tuple[Any, str, Any, Any]]]:
     """Swap every module of the tree (and plain objects forward reaches through their
     attributes) to recording subclasses for the duration of the trace; `reads` collects what
     forward read and `writes` what it assigned or deleted. Yields a list that, when the block
     ends, holds the mutable values forward read (owner, name, state and copy as first read)."""
-    recording = _Recording(reads, writes if writes is not None else [])
+    recording = _Recording(reads, writes)
     previous = getattr(_RECORDING, "current", None)
     seen: list[tuple[Any, str, Any, Any]] = []
     try:

@@ -424,6 +424,16 @@ class Config:
         help="also run the first N calls of each new graph in PyTorch and compare outputs and "
         "gradients; a mismatch sends that graph's calls to PyTorch",
     )
+    static_after: int = option(
+        8,
+        env="ORT_AUTOPATCH_STATIC_AFTER",
+        flag="--static-after",
+        kind=Integer(lambda n: n >= 0, "a count of calls, 0 for never"),
+        engine=True,
+        help="an input shape that comes back this many calls in a row gets a static-shape graph "
+        "of its own beside the dynamic one (faster on CPU; at most 2 shapes per train/eval and "
+        "grad mode, each costs one more export and gradient build)",
+    )
 
     untested_torch: bool = option(
         False,

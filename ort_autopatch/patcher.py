@@ -437,6 +437,8 @@ class _Instance:
                     self.stats.rebuilds[record.reason] += 1
                 if record.per_shape:
                     self.stats.per_shape_graphs += 1
+                if record.hot_shape:
+                    self.stats.static_shape_graphs += 1
 
     # guards ----------------------------------------------------------------------------------
     def values(self) -> tuple[Hashable, ...]:

@@ -25,6 +25,7 @@ class ClassStats:
     # what traces froze, (kind, what, user's file:line) -> times seen (engine/hazards.py)
     trace_hazards: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     per_shape_graphs: int = 0  # graphs built for one input shape (the model specialises)
+    static_shape_graphs: int = 0  # static-shape graphs for input shapes that kept coming back
     # --verify: calls compared with eager, the worst differences, mismatches, unverified calls
     verified_calls: int = 0
     verify_mismatches: int = 0
@@ -58,6 +59,7 @@ class ClassStats:
                 for (k, w, at), c in self.trace_hazards.items()
             ],
             "per_shape_graphs": self.per_shape_graphs,
+            "static_shape_graphs": self.static_shape_graphs,
             "verify": {
                 "calls": self.verified_calls,
                 "mismatches": self.verify_mismatches,

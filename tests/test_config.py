@@ -585,6 +585,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         torch_ops=("aten::einsum",),
         no_torch_ops=("aten::cumm*", "aten::lstm"),
         verify=2,
+        static_after=0,
     )
     flags: list[str] = []
     for opt in OPTIONS:

@@ -29,7 +29,7 @@ from ort_autopatch.engine import (
     verify,
 )
 from ort_autopatch.engine.cache import GraphCache
-from ort_autopatch.engine.callkey import CallKey, Guards, KeyMaker
+from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, Shapes
 from ort_autopatch.engine.errors import (
     DataDependentError,
     ExecutionError,
@@ -43,6 +43,9 @@ from ort_autopatch.engine.state import ModuleState
 from ort_autopatch.engine.store import GraphStore
 
 log = logging.getLogger("ort_autopatch")
+
+#: input shapes per gradient/train mode that may earn a static-shape graph (`HotShapes`)
+HOT_SHAPES_PER_MODE = 2
 
 #: Operators whose gradients need static shapes in ORT 1.19.2 (see ModuleEngine._build).
 _STATIC_SHAPE_OPS = ("MaxPool", "AveragePool", "LpPool")
@@ -69,6 +72,9 @@ class EngineOptions:
     torch_ops: tuple[str, ...] = ()
     no_torch_ops: tuple[str, ...] = ()
     verify: int = 0  # calls of each new graph key also run eagerly and compared (verify.py)
+    # calls in a row with one input shape after which that shape gets a static-shape graph of
+    # its own (callkey.HotShapes; 0: never)
+    static_after: int = 8
 
 
 @dataclass
@@ -83,6 +89,7 @@ class BuildRecord:
     # operators running as torch-calling nodes in the graph built ("aten::cummax": 2)
     torch_nodes: dict[str, int] = field(default_factory=dict)
     per_shape: bool = False  # keyed by its input shapes (the model specialises on sizes)
+    hot_shape: bool = False  # a static-shape graph for an input shape that kept coming back
 
 
 @dataclass
@@ -214,7 +221,8 @@ class ModuleEngine:
         self._cache: GraphCache[_Entry] = GraphCache(self.options.cache_size)
         self._state = ModuleState(module)
         self._keys = KeyMaker(self._state, guards)
-        self._static_shapes = False
+        self._static_shapes = False  # every graph serves one input shape (sizes were traced)
+        self._hot = HotShapes(self.options.static_after, HOT_SHAPES_PER_MODE)
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
         self.records: list[BuildRecord] = []
@@ -300,16 +308,22 @@ class ModuleEngine:
         recompute: bool,
     ) -> Any:
         mode = (torch.is_grad_enabled(), module.training)
-        if trust_last and mode in self._trusted:
-            trusted = self._cache.get(self._trusted[mode])  # None once evicted
-            if trusted is not None:
-                call = signature.flatten_call(self._cls, args, kwargs, check_devices)
-                return trusted.run(self._state, call, recompute)
+        call = signature.flatten_call(self._cls, args, kwargs, check_devices)
+        hot: Shapes | None = None
+        earned = False
+        if not self._static_shapes:
+            hot, earned = self._hot.pick(mode, call.shapes)
+        if trust_last and not earned and mode in self._trusted:
+            last = self._trusted[mode]
+            # even unchecked, a static-shape graph never takes another shape
+            if last.shapes == (call.shapes() if self._static_shapes else hot):
+                trusted = self._cache.get(last)  # None once evicted
+                if trusted is not None:
+                    return trusted.run(self._state, call, recompute)
         stale = self._keys.stale()
         if stale is not None:
             self.invalidate(stale)
         state = self._state
-        call = signature.flatten_call(self._cls, args, kwargs, check_devices)
         requires = state.requires_grad_flags() if torch.is_grad_enabled() else []
         grad = any(requires) or (
             torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors)
@@ -318,21 +332,27 @@ class ModuleEngine:
             _refuse_empty(self._cls, call)
         else:
             requires = []
-        key = self._key(grad, call, requires)
+        if earned:
+            self._keys.note(
+                f"input shape repeated {self._hot.after} calls: a static-shape graph for it"
+            )
+        key = self._key(grad, call, requires, hot)
         entry = self._cache.get(key)
         if entry is None:
             with self._build_lock:
                 # Another thread may have built it meanwhile, under a key its build settled.
-                key = self._key(grad, call, requires)
+                key = self._key(grad, call, requires, hot)
                 entry = self._cache.get(key)
                 if entry is None:
                     reason = self._keys.miss_reason(key)
+                    shapes = key.shapes
                     entry = self._cache.get_or_build(
-                        key, lambda: self._build(module, state, call, grad, reason)
+                        key,
+                        lambda: self._build(module, state, call, grad, reason, shapes, hot),
                     )
                     # The build may have switched to static shapes or taught the guards new
                     # attributes: file the graph under the key later calls will compute.
-                    settled = self._key(grad, call, requires)
+                    settled = self._key(grad, call, requires, hot)
                     if settled != key:
                         self._cache.rekey(key, settled)
                         key = settled
@@ -345,11 +365,16 @@ class ModuleEngine:
         return entry.run(state, call, recompute)
 
     def _key(
-        self, grad: bool, call: signature.FlatCall, requires: list[bool] | None = None
+        self,
+        grad: bool,
+        call: signature.FlatCall,
+        requires: list[bool] | None = None,
+        hot: Shapes | None = None,
     ) -> CallKey:
+        """`hot`: the call's shapes when they earned a static-shape graph (`HotShapes`)."""
         if requires is None:
             requires = self._state.requires_grad_flags() if grad else []
-        shapes = call.shapes() if self._static_shapes else None
+        shapes = call.shapes() if self._static_shapes else hot
         return self._keys.key(grad, call.signature, shapes, requires)
 
     def _verify(
@@ -401,7 +426,10 @@ class ModuleEngine:
         call: signature.FlatCall,
         grad: bool,
         reason: str,
+        shapes: Shapes | None,
+        hot: Shapes | None,
     ) -> _Entry:
+        """Build the graph of one key; `shapes` not None: for these input shapes only."""
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
             raise MixedDevicesError(
@@ -412,7 +440,7 @@ class ModuleEngine:
         device = next(iter(devices), torch.device("cpu"))
         with _progress(self._cls) as progress:
             start = time.perf_counter()
-            persisted = self._persistent_key(module, state, call, grad, device)
+            persisted = self._persistent_key(module, state, call, grad, device, shapes)
             if persisted is not None:
                 stored = self._load(persisted, state)
                 if stored is not None:
@@ -420,7 +448,9 @@ class ModuleEngine:
                     entry = self._instantiate(stored, state, call, device)
                     self._record(reason, 0.0, time.perf_counter() - start, grad, from_disk=True)
                     return entry
-            recipe, export_seconds = self._export_recipe(module, state, call, grad, progress)
+            recipe, export_seconds = self._export_recipe(
+                module, state, call, grad, progress, static=shapes is not None
+            )
             progress.phase = "session"
             entry = self._instantiate(recipe, state, call, device)
             self._record(
@@ -431,7 +461,10 @@ class ModuleEngine:
                 torch_nodes=recipe.torch_nodes,
             )
             self.records[-1].per_shape = self._static_shapes
-        self._save(module, recipe, state, call, grad, device, base_key=persisted)
+            self.records[-1].hot_shape = hot is not None and not self._static_shapes
+        # the build may have switched every graph to static shapes
+        shapes = call.shapes() if self._static_shapes else hot
+        self._save(module, recipe, state, call, grad, device, shapes, base_key=persisted)
         return entry
 
     def _record(
@@ -462,8 +495,9 @@ class ModuleEngine:
         call: signature.FlatCall,
         grad: bool,
         progress: _Progress,
+        static: bool,
     ) -> tuple[Recipe, float]:
-        dynamic = not self._static_shapes
+        dynamic = not static
         try:
             exported = self._export(module, call, dynamic=dynamic)
             if dynamic and self._static_shapes:
@@ -735,6 +769,7 @@ class ModuleEngine:
         call: signature.FlatCall,
         grad: bool,
         device: torch.device,
+        shapes: Shapes | None,
     ) -> str | None:
         """The static part of the on-disk key; None without a store, or when a class of the
         tree has no source file to hash (REPL, exec)."""
@@ -749,7 +784,7 @@ class ModuleEngine:
             cls=self._cls,
             sources=sources,
             state=state,
-            key=self._key(grad, call).persistent(),
+            key=self._key(grad, call, hot=shapes).persistent(),
             device=device,
             opset=self.options.opset,
         )
@@ -782,12 +817,13 @@ class ModuleEngine:
         call: signature.FlatCall,
         grad: bool,
         device: torch.device,
+        shapes: Shapes | None,
         base_key: str | None,
     ) -> None:
         from ort_autopatch.engine import persist
 
         # Recomputed: the build may have switched to static shapes.
-        static = self._persistent_key(module, state, call, grad, device)
+        static = self._persistent_key(module, state, call, grad, device, shapes)
         # torch-calling nodes name callables of this process: such graphs cannot be reloaded
         persistable = not recipe.torch_nodes
         if persistable and self._store is not None and static is not None and base_key is not None:

@@ -1,0 +1,214 @@
+"""Static-shape graphs: an input shape that keeps coming back gets a graph exported for exactly
+that shape beside the dynamic one (faster on CPU), and no graph ever serves a shape it was not
+built for. Every call is compared with an eager twin, and every call must have run in ORT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch import patcher
+from ort_autopatch.engine import EngineOptions
+from ort_autopatch.engine.callkey import HotShapes
+from ort_autopatch.policy import SkipCheck
+from tests.helpers import class_stats, patched
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+AFTER = 8  # the default of --static-after
+
+
+class Layer(nn.Module):
+    """A transformer block: the model whose step the static graph speeds up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _settings(**engine: int) -> patcher.Settings:
+    return patcher.Settings(engine=EngineOptions(**engine))  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _patched_with(settings: patcher.Settings) -> Iterator[None]:
+    yield from patched([Layer], settings)
+
+
+@pytest.fixture
+def layer() -> Iterator[None]:
+    yield from patched([Layer])
+
+
+@pytest.fixture
+def layer_after_3() -> Iterator[None]:
+    yield from patched([Layer], _settings(static_after=3))
+
+
+class _Twins:
+    """The patched model and its eager twin, trained side by side with AdamW."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = Layer()
+        self.twin = copy.deepcopy(self.model)
+        self.opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (self.model, self.twin)]
+        self.calls = 0
+
+    def step(self, shape: tuple[int, ...]) -> None:
+        g = torch.Generator().manual_seed(self.calls)
+        self.calls += 1
+        x = torch.randn(*shape, generator=g)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        outs = []
+        for opt, run, inp in (
+            (self.opts[0], self.model, a),
+            (self.opts[1], lambda t: Layer.forward(self.twin, t), b),
+        ):
+            opt.zero_grad()
+            out = run(inp)
+            (out * out).mean().backward()
+            outs.append(out)
+        k = self.calls
+        torch.testing.assert_close(outs[0], outs[1], **TOL, msg=lambda m: f"call {k}: {m}")
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m: f"call {k} dx: {m}")
+        pairs = zip(self.model.named_parameters(), self.twin.parameters(), strict=True)
+        for (name, p), q in pairs:
+            where = f"call {k} {name}"
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, w=where: f"{w}: {m}")
+        for opt in self.opts:
+            opt.step()
+
+    def eval_call(self, shape: tuple[int, ...]) -> None:
+        x = torch.randn(*shape)
+        self.model.eval()
+        self.twin.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(self.model(x), Layer.forward(self.twin, x), **TOL)
+        self.model.train()
+        self.twin.train()
+
+
+def _assert_all_in_ort(calls: int) -> None:
+    stats = class_stats(Layer)
+    assert stats.eager_calls == {}
+    assert stats.ort_calls == calls
+
+
+# -- the rule ---------------------------------------------------------------------------------
+def test_a_shape_earns_its_graph_on_the_call_that_completes_the_streak() -> None:
+    hot = HotShapes(after=3, limit=2)
+    shapes = ((4, 5),)
+    picks = [hot.pick("train", lambda: shapes) for _ in range(5)]
+    assert picks == [(None, False), (None, False), (shapes, True), (shapes, False), (shapes, False)]
+
+
+def test_another_shape_breaks_the_streak() -> None:
+    hot = HotShapes(after=3, limit=2)
+    a, b = ((4, 5),), ((4, 6),)
+    picks = [hot.pick("train", lambda s=s: s)[0] for s in (a, a, b, a, a)]
+    assert picks == [None] * 5
+
+
+def test_streaks_count_per_mode() -> None:
+    hot = HotShapes(after=2, limit=2)
+    a = ((4, 5),)
+    assert hot.pick("train", lambda: a)[0] is None
+    assert hot.pick("eval", lambda: a)[0] is None
+    assert hot.pick("train", lambda: a) == (a, True)
+    assert hot.pick("eval", lambda: a) == (a, True)
+
+
+def test_at_most_limit_shapes_per_mode_earn_a_graph() -> None:
+    hot = HotShapes(after=2, limit=2)
+    earned = [hot.pick("train", lambda n=n: ((n,),))[1] for n in (1, 1, 2, 2, 3, 3)]
+    assert earned == [False, True, False, True, False, False]
+
+
+def test_after_zero_never_picks_shapes_and_never_reads_them() -> None:
+    hot = HotShapes(after=0, limit=2)
+
+    def shapes() -> tuple[tuple[int, ...], ...]:
+        raise AssertionError("read the shapes")
+
+    assert hot.pick("train", shapes) == (None, False)
+
+
+# -- the engine -------------------------------------------------------------------------------
+@pytest.mark.usefixtures("layer")
+def test_a_repeated_shape_gets_a_static_graph_and_every_step_matches_eager() -> None:
+    twins = _Twins()
+    for _ in range(AFTER + 4):
+        twins.step((3, 5, 16))
+    stats = class_stats(Layer)
+    assert stats.exports == 2
+    assert stats.static_shape_graphs == 1
+    assert stats.rebuilds == {f"input shape repeated {AFTER} calls: a static-shape graph for it": 1}
+    _assert_all_in_ort(AFTER + 4)
+
+
+@pytest.mark.usefixtures("layer_after_3")
+def test_other_shapes_use_the_dynamic_graph_and_the_hot_shape_keeps_its_own() -> None:
+    twins = _Twins()
+    for shape in [(2, 7, 16)] * 3 + [(2, 4, 16), (5, 7, 16), (2, 7, 16), (1, 9, 16), (2, 7, 16)]:
+        twins.step(shape)
+    stats = class_stats(Layer)
+    assert (stats.exports, stats.static_shape_graphs) == (2, 1)
+    _assert_all_in_ort(8)
+
+
+@pytest.mark.usefixtures("layer_after_3")
+def test_a_new_length_every_call_earns_no_static_graph() -> None:
+    twins = _Twins()
+    for length in range(2, 14):
+        twins.step((2, length, 16))
+    stats = class_stats(Layer)
+    assert (stats.exports, stats.static_shape_graphs) == (1, 0)
+    _assert_all_in_ort(12)
+
+
+@pytest.mark.usefixtures("layer_after_3")
+def test_eval_calls_between_steps_do_not_break_the_training_streak() -> None:
+    twins = _Twins()
+    for _ in range(4):
+        twins.step((2, 6, 16))
+        twins.eval_call((4, 3, 16))
+    stats = class_stats(Layer)
+    # a dynamic and a static graph for training, and the same for inference (plus one build
+    # when an export teaches the attribute guards a new attribute)
+    assert stats.static_shape_graphs == 2
+    assert 4 <= stats.exports <= 5
+    _assert_all_in_ort(8)
+
+
+def test_static_after_zero_keeps_one_dynamic_graph() -> None:
+    with _patched_with(_settings(static_after=0)):
+        twins = _Twins()
+        for _ in range(AFTER + 2):
+            twins.step((2, 5, 16))
+        stats = class_stats(Layer)
+        assert (stats.exports, stats.static_shape_graphs) == (1, 0)
+
+
+def test_unchecked_calls_never_feed_another_shape_to_a_static_graph() -> None:
+    """SKIP_CHECK_BUILD_GRADIENT reuses the last graph without checks, but not a static one
+    for another shape: the call goes the checked way and takes the dynamic graph."""
+    settings = patcher.Settings(
+        skip_check=SkipCheck.SKIP_CHECK_BUILD_GRADIENT, engine=EngineOptions(static_after=3)
+    )
+    with _patched_with(settings):
+        twins = _Twins()
+        for shape in [(2, 5, 16)] * 3 + [(3, 8, 16), (2, 5, 16), (1, 4, 16)]:
+            twins.step(shape)
+        stats = class_stats(Layer)
+        assert (stats.exports, stats.static_shape_graphs) == (2, 1)
+        _assert_all_in_ort(6)

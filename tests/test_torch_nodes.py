@@ -806,46 +806,101 @@ class ReluIntoPooling(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(1, 8, 3, padding=1)
-        self.fc = nn.Linear(8 * 32 * 32, 4)
+        self.fc = nn.Linear(8 * 16 * 16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(F.max_pool2d(F.relu(self.conv(x)), 2).flatten(1))
 
 
+class SqrtOfRelu(nn.Module):
+    """sqrt(relu(x)): at a unit ReLU zeroed, the incoming gradient is infinite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.sqrt(F.relu(self.up(x))))
+
+
 def _wide(step: int) -> tuple[tuple[torch.Tensor], dict]:
-    # 2^17 inputs and more: the call is large enough for ReLU's size route
+    # 2^18 elements and more behind the ReLU: large enough for its gradient to run in torch
     return (torch.randn(64 + 16 * (step % 2), 64, 32, generator=_gen(step)),), {}
 
 
-def test_a_large_relu_in_front_of_a_linear_layer_runs_in_torch_with_eager_numbers() -> None:
+def test_a_large_relus_gradient_runs_in_torch_with_eager_numbers() -> None:
     torch.manual_seed(19)
     run = assert_training_parity(WideFeedForward(), _wide, steps=2, rtol=RTOL, atol=ATOL)
-    assert _torch_nodes(run.engine) == {"aten::relu": 1}
+    assert _torch_nodes(run.engine) == {"aten::threshold_backward": 1}
 
 
-def test_the_relu_route_passes_through_dropout() -> None:
-    engine = ModuleEngine(WideFeedForward(p=0.1))
-    engine(_wide(0)[0][0]).sum().backward()
-    assert _torch_nodes(engine) == {"aten::relu": 1}
+def test_the_relu_gradient_in_torch_gives_zero_where_eager_does_for_an_infinite_gradient() -> None:
+    """`Mul` by the mask would give NaN there (inf * 0); threshold_backward gives eager's 0."""
+    torch.manual_seed(20)
+    model = SqrtOfRelu()
+    engine = ModuleEngine(copy.deepcopy(model))
+    x = _wide(0)[0][0]
+    engine(x).sum().backward()
+    model(x).sum().backward()
+    engine_model = engine._module()
+    assert engine_model is not None
+    assert _torch_nodes(engine) == {"aten::threshold_backward": 1}
+    for got, want in zip(engine_model.parameters(), model.parameters(), strict=True):
+        assert want.grad is not None and got.grad is not None
+        assert torch.isnan(want.grad).sum() == torch.isnan(got.grad).sum() == 0
+        # 1/sqrt of tiny activations: large terms, summed in another order
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
 
 
-def test_a_small_relu_stays_in_onnx() -> None:
+def test_a_small_relus_gradient_stays_in_onnx() -> None:
     engine = ModuleEngine(WideFeedForward())
     engine(torch.randn(4, 8, 32)).sum().backward()
     assert _torch_nodes(engine) == {}
 
 
-def test_a_large_relu_feeding_pooling_stays_in_onnx() -> None:
-    # MaxPoolGrad needs the shape ORT cannot infer behind a torch-calling node
-    engine = ModuleEngine(ReluIntoPooling())
-    engine(torch.randn(64, 1, 64, 64)).sum().backward()
-    assert _torch_nodes(engine) == {}
+def test_a_large_relu_feeding_pooling_gets_its_gradient_in_torch_with_eager_numbers() -> None:
+    # the forward ReLU stays ONNX, so MaxPoolGrad still sees the shapes it needs
+    torch.manual_seed(21)
+    run = assert_training_parity(
+        ReluIntoPooling(),
+        lambda s: ((torch.randn(40 + 8 * (s % 2), 1, 32, 32, generator=_gen(s)),), {}),
+        steps=2,
+        rtol=RTOL,
+        atol=ATOL,
+        expect_builds=2,  # pooling gradients need static shapes: a graph per batch size
+    )
+    assert _torch_nodes(run.engine) == {"aten::threshold_backward": 1}
 
 
-def test_the_relu_route_can_be_denied() -> None:
-    engine = ModuleEngine(WideFeedForward(), EngineOptions(no_torch_ops=("aten::relu",)))
+def test_the_relu_gradient_in_torch_can_be_denied() -> None:
+    engine = ModuleEngine(
+        WideFeedForward(), EngineOptions(no_torch_ops=("aten::threshold_backward",))
+    )
     engine(_wide(0)[0][0]).sum().backward()
     assert _torch_nodes(engine) == {}
+
+
+class Normed(nn.Module):
+    def __init__(self, **norm: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.norm = nn.LayerNorm(64, **norm)
+        self.down = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(self.up(x)))
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [{}, {"bias": False}, {"elementwise_affine": False}],
+    ids=["affine", "no-bias", "no-affine"],
+)
+def test_a_large_layer_norms_gradient_runs_in_torch_with_eager_numbers(norm: dict) -> None:
+    torch.manual_seed(22)
+    run = assert_training_parity(Normed(**norm), _wide, steps=3, rtol=RTOL, atol=ATOL)
+    assert _torch_nodes(run.engine) == {"aten::native_layer_norm_backward": 1}
 
 
 def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:

@@ -370,7 +370,7 @@ def _export_once(
             _watching_conversions(conversions),
             symbolics.registered(
                 opset,
-                symbolics.for_export(routed, max((t.numel() for t in tensors), default=0)),
+                symbolics.for_export(routed),
             ),
             tracing.export_rewrites(),
             torch.no_grad(),

@@ -552,7 +552,7 @@ class ModuleEngine:
         device = next(iter(devices), torch.device("cpu"))
         while True:
             try:
-                recipe = self._recipe(state, call, exported, model, grad)
+                recipe = self._recipe(state, call, exported, model, grad, device)
                 missing = set()
                 if recipe.gradient is not None:
                     missing = torch_ops.unrunnable_gradients(recipe.gradient.model, device)
@@ -638,8 +638,11 @@ class ModuleEngine:
         exported: export.ExportedGraph,
         model: Any,
         grad: bool,
+        device: torch.device,
     ) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
+        from ort_autopatch.engine import torch_ops
+
         graph.name_outputs(model)
         num_user_outputs = len(model.graph.output)
         graph.relax_shapes(model)
@@ -703,6 +706,11 @@ class ModuleEngine:
                 extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
                 cls=self._cls,
             )
+            if device.type == "cpu":
+                largest = max((t.numel() for t in call.tensors), default=0)
+                gradient.model = torch_ops.gradients_in_torch(
+                    gradient.model, largest, self._may_route
+                )
         return Recipe(
             training=grad,
             forward_model=model_bytes,
@@ -712,7 +720,10 @@ class ModuleEngine:
             output_spec=exported.output_spec,
             batch_norms=batch_norms,
             seeds_dropout=rng.draws_per_run(model),
-            torch_nodes=torch_nodes.Inventory.of(model).counts,
+            # the gradient graph holds the forward's nodes and those of its own
+            torch_nodes=torch_nodes.Inventory.of(
+                model if gradient is None else _load(gradient.model)
+            ).counts,
             checks=exported.checks,
             traced_shapes=call.shapes(),
         )

@@ -211,18 +211,15 @@ def _current_override(name: str, opset: int) -> Callable[..., Any] | None:
     return functions._overrides.get(opset) if functions.overridden(opset) else None
 
 
-def for_export(
-    routed: frozenset[str] = frozenset(), largest_input: int = 0
-) -> dict[str, Callable[..., Any]]:
+def for_export(routed: frozenset[str] = frozenset()) -> dict[str, Callable[..., Any]]:
     """Every symbolic one export needs: ours, custom autograd Functions as torch-calling nodes,
-    and the ATen operators in `routed` (e.g. "aten::cummax") as torch-calling nodes.
-    `largest_input` (elements of the call's largest tensor) sizes the size-routed operators."""
+    and the ATen operators in `routed` (e.g. "aten::cummax") as torch-calling nodes."""
     from ort_autopatch.engine import torch_ops
 
     found: dict[str, Callable[..., Any]] = dict(SYMBOLICS)
     found["prim::PythonOp"] = torch_ops.autograd_function
     for name in routed:
-        found[name] = torch_ops.aten_symbolic(name, largest_input)
+        found[name] = torch_ops.aten_symbolic(name)
     return found
 
 

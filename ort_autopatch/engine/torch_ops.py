@@ -8,6 +8,8 @@ calls the operator overload the tracer recorded, with the arguments it recorded.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ from ort_autopatch.engine import torch_nodes
 from ort_autopatch.engine.torch_nodes import TENSOR
 
 _Scalar = _type_utils.JitScalarType
+DOMAIN = torch_nodes.DOMAIN
 
 #: ATen operators that draw random numbers: their node runs under the tool's generator.
 RANDOM_OPS = frozenset(
@@ -293,24 +296,11 @@ def _transposed(inputs: tuple[Any, ...]) -> bool:
     return not known or bool(_python(value, "bool", False))
 
 
-def aten_symbolic(name: str, largest_input: int = 0) -> Callable[..., Any]:
-    """A symbolic that sends the traced `name` (e.g. "aten::cummax") to torch.
-
-    For the operators of `SIZE_ROUTES` only when large: the traced input's element count, or,
-    where dynamic axes hide it, the element count of the call's largest input tensor.
-    """
+def aten_symbolic(name: str) -> Callable[..., Any]:
+    """A symbolic that sends the traced `name` (e.g. "aten::cummax") to torch."""
 
     def symbolic(g: Any, *inputs: Any, **attrs: Any) -> Any:
         node = g.original_node
-        threshold = SIZE_ROUTES.get(name)
-        if threshold is not None and (
-            (_traced_numel(inputs[0]) or largest_input) < threshold
-            or not _feeds_only_linear(node.output())
-        ):
-            # small: ORT's own kernels win over a Python round trip
-            from torch.onnx._internal.torchscript_exporter import symbolic_opset9
-
-            return getattr(symbolic_opset9, name.split("::", 1)[1])(g, *inputs)
         if name == "aten::_convolution" and not _transposed(inputs):
             # only transposed convolutions lack CPU gradient kernels; others stay in ONNX
             from torch.onnx._internal.torchscript_exporter import symbolic_opset9
@@ -395,38 +385,6 @@ MISSING_CPU_GRADIENT_KERNELS = {"ConvTransposeGrad": "ConvTranspose", "ResizeGra
 SHAPE_INFERRED_GRADIENTS = {"AveragePoolGrad": "AveragePool"}
 
 
-#: Operators sent to torch on CPU when the traced input (or, with dynamic sizes, the call's
-#: largest input tensor) holds at least this many elements.
-#: ORT's CPU `ReluGrad` is an Eigen select that branches per element: 5.7 ms for 2^20 random
-#: floats against torch's 0.5 ms (`threshold_backward`), while a torch-calling node costs one
-#: Python round trip per forward and backward (~0.2 ms a step, `bench_profile.py`). Measured
-#: on a step: TransformerEncoderLayer (ff 1024, 16x64 tokens, 2^20 elements) 59.2 -> 53.8 ms
-#: at 1 thread and 45.2 -> 40.8 ms at 2; an MLP's 64x512 ReLU (2^15) 2.23 -> 2.30 ms, so small
-#: ones stay in ONNX. No exact ONNX rewrite is faster: `Mul` by the mask is, but turns an
-#: infinite incoming gradient at a zeroed unit (`sqrt(relu(x))`) into NaN where eager gives 0.
-SIZE_ROUTES: dict[str, int] = {"aten::relu": 1 << 17}
-#: What may read a size-routed operator's output: ORT infers no shapes behind a torch-calling
-#: node, and some gradient kernels need them (MaxPoolGrad crashes the process, AveragePoolGrad
-#: returns nothing), so the route is taken only in front of a linear layer (through dropout).
-_SIZE_ROUTE_READERS = frozenset({"aten::linear", "aten::matmul"})
-_SIZE_ROUTE_PASSES = frozenset({"aten::dropout"})
-
-
-def _feeds_only_linear(value: Any, depth: int = 2) -> bool:
-    uses = list(value.uses())
-    if not uses or depth == 0:
-        return False
-    for use in uses:
-        kind = use.user.kind()
-        if kind in _SIZE_ROUTE_READERS and use.offset == 0:
-            continue
-        if kind in _SIZE_ROUTE_PASSES and use.offset == 0:
-            if _feeds_only_linear(use.user.output(), depth - 1):
-                continue
-        return False
-    return True
-
-
 def default_routes(device: torch.device) -> frozenset[str]:
     """Operators sent to torch up front on `device`, by a measured rule.
 
@@ -435,22 +393,12 @@ def default_routes(device: torch.device) -> frozenset[str]:
     On CPU the ONNX path stays for attention: torch's CPU flash kernel inside the graph measured
     no faster (TransformerEncoderLayer d256, 64 tokens, ratio to eager at 1 thread 1.25 ONNX vs
     1.27 torch, at 2 threads 1.69 vs 1.60, noisy; `bench_profile.py` measures it), as a node
-    costs a Python round trip per call. The operators of `SIZE_ROUTES` go to torch on CPU when
-    their traced input is large (the symbolic checks the size).
+    costs a Python round trip per call. (Slow CPU gradient kernels are replaced in the gradient
+    graph instead: `gradients_in_torch`.)
     """
     if device.type == "cuda":
         return frozenset({"aten::scaled_dot_product_attention"})
-    return frozenset(SIZE_ROUTES)
-
-
-def _traced_numel(value: Any) -> int | None:
-    sizes = symbolic_helper._get_tensor_sizes(value)
-    if sizes is None or any(not isinstance(s, int) for s in sizes):
-        return None
-    count = 1
-    for size in sizes:
-        count *= size
-    return count
+    return frozenset()
 
 
 def culprits(message: str, provenance: dict[str, set[str]]) -> set[str]:
@@ -497,3 +445,140 @@ def unrunnable_gradients(gradient_model: bytes, device: torch.device) -> set[str
             if n.op_type in forward_ops and n.input[0] not in known
         }
     return found
+
+
+#: Elements from which a gradient node runs in torch on CPU (`gradients_in_torch`): below,
+#: ORT's own kernel beats the round trip (about 80 us).
+GRADIENT_IN_TORCH_FROM = 1 << 14
+
+
+def _relu_backward(grad: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.threshold_backward.default(grad, result, 0.0)
+
+
+def _layer_norm_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    *,
+    axis: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # ORT's mean and inverse standard deviation are torch's `mean` and `rstd`; the bias only
+    # tells torch to compute its gradient (its values are never read)
+    result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (
+        torch.ops.aten.native_layer_norm_backward.default(
+            grad, x, list(x.shape[axis:]), mean, rstd, weight, weight, [True, True, True]
+        )
+    )
+    return result
+
+
+#: ORT CPU gradient kernels slower than the torch function eager's backward calls, by
+#: operator type: what reports call them, and the function. Measured alone (2^20 floats, 1
+#: thread): `ReluGrad` 5.7 ms (an Eigen select branching per element) against
+#: `threshold_backward` 0.5 ms; `LayerNormalizationGrad` (16x64x256) 2.3 ms at 1 thread and
+#: 2.4 at 2 (not parallel) against `native_layer_norm_backward` 0.3.
+GRADIENTS_IN_TORCH: dict[str, tuple[str, Callable[..., Any]]] = {
+    "ReluGrad": ("aten::threshold_backward", _relu_backward),
+    "LayerNormalizationGrad": ("aten::native_layer_norm_backward", _layer_norm_backward),
+}
+
+
+def gradients_in_torch(
+    gradient_model: bytes, largest_input: int, may_route: Callable[[str], bool]
+) -> bytes:
+    """ORT's slow CPU gradient nodes (`GRADIENTS_IN_TORCH`) as torch-calling nodes running the
+    function eager's backward runs, so the same numbers: `threshold_backward` keeps eager's 0
+    where an infinite gradient meets a zeroed ReLU unit (`sqrt(relu(x))`), which `Mul` by the
+    mask, the one faster ONNX form, turns into NaN.
+
+    The forward nodes stay ONNX (no round trip; what reads them, such as pooling gradients,
+    keeps its shapes). A node is replaced when its input is large enough to pay for the round
+    trip: by its size where shape inference knows it, else by the call's largest input
+    (dynamic axes hide the size).
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    if not any(op.encode() in gradient_model for op in GRADIENTS_IN_TORCH):
+        return gradient_model
+    model = onnx.load_from_string(gradient_model)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {
+        v.name: v.type.tensor_type for v in (*inferred.graph.value_info, *inferred.graph.input)
+    }
+    taken = {o for n in model.graph.node for o in n.output}
+    nodes = []
+    for node in model.graph.node:
+        route = GRADIENTS_IN_TORCH.get(node.op_type) if node.domain == DOMAIN else None
+        known = types.get(node.input[1]) if route is not None else None
+        if route is None or known is None or known.elem_type != TensorProto.FLOAT:
+            nodes.append(node)
+            continue
+        label, function = route
+        rank, numel = -1, largest_input
+        if known.HasField("shape"):
+            dims = known.shape.dim
+            rank = len(dims)
+            if all(d.HasField("dim_value") for d in dims):
+                numel = math.prod(d.dim_value for d in dims)
+        ranks = [rank]
+        call: Callable[..., Any] = function
+        if node.op_type == "LayerNormalizationGrad":
+            axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+            if axis >= 0 and rank < 0:
+                nodes.append(node)
+                continue
+            normalized = -axis if axis < 0 else rank - axis
+            ranks = [rank, normalized, normalized]
+            call = functools.partial(function, axis=axis)
+        if (
+            numel < GRADIENT_IN_TORCH_FROM
+            or not may_route(label)
+            or len(node.input) != (2 if node.op_type == "ReluGrad" else 5)
+        ):
+            nodes.append(node)
+            continue
+        spec = torch_nodes.new_spec(
+            label,
+            "aten",
+            call,
+            [TENSOR] * len(node.input),
+            [False] * len(node.input),
+            [False] * len(ranks),
+            output_dtypes=[torch.float32] * len(ranks),
+        )
+        outputs = []
+        for k in range(len(ranks)):
+            name = node.output[k] if k < len(node.output) else ""
+            if not name:  # an output the graph does not use still needs a name here
+                name = f"{node.name or node.op_type}__unused_{k}"
+                while name in taken:
+                    name += "_"
+                taken.add(name)
+            outputs.append(name)
+        nodes.append(
+            helper.make_node(
+                torch_nodes.OP_TYPE,
+                list(node.input),
+                [f"{outputs[0]}__context", *outputs],
+                name=f"{node.name}__torch",
+                domain=DOMAIN,
+                func_name=spec.name,
+                input_convention="d" * len(node.input),
+                input_tensor_types=[TensorProto.FLOAT] * len(node.input),
+                input_tensor_ranks=[rank] * len(node.input)
+                if node.op_type == "ReluGrad"
+                else [rank, rank, ranks[1], rank, rank],
+                output_tensor_types=[TensorProto.FLOAT] * len(ranks),
+                output_tensor_ranks=ranks,
+                training_mode=0,  # a node of the backward pass: nothing to differentiate
+                safe_run_mode=1,
+                comment=spec.label,
+            )
+        )
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model.SerializeToString()

@@ -61,6 +61,54 @@ def test_a_second_engine_loads_the_graph_instead_of_exporting(tmp_path: Path) ->
     torch.testing.assert_close(model.fc.weight.grad, grad)
 
 
+class Wide(nn.Module):
+    """Big enough for its ReLU and LayerNorm gradients to run in torch on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 256)
+        self.norm = nn.LayerNorm(256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.up(x)))
+
+
+def test_a_graph_whose_gradients_run_in_torch_is_stored_and_loads_with_them(
+    tmp_path: Path,
+) -> None:
+    """The stored graph names no process's callables: the torch-calling gradient nodes are
+    put in again when a loaded graph gets its session."""
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(128, 16)
+    expected_nodes = {"aten::threshold_backward": 1, "aten::native_layer_norm_backward": 1}
+    first_engine = _engine(model, tmp_path)
+    first = _train_once(first_engine, x)
+    assert first_engine.records[0].torch_nodes == expected_nodes
+    grad = model.up.weight.grad.clone()
+    model.zero_grad()
+    second_engine = _engine(model, tmp_path)
+    second = _train_once(second_engine, x)
+    assert second_engine.records[0].from_disk
+    assert second_engine.records[0].torch_nodes == expected_nodes
+    torch.testing.assert_close(second, first)
+    torch.testing.assert_close(model.up.weight.grad, grad)
+
+
+def test_saved_graphs_show_the_torch_calling_gradient_nodes(tmp_path: Path) -> None:
+    engine = ModuleEngine(Wide(), EngineOptions(save_onnx=tmp_path))
+    engine(torch.randn(128, 16)).sum().backward()
+    (gradient,) = tmp_path.glob("*.gradient.onnx")
+    comments = [
+        a.s.decode()
+        for n in onnx.load(gradient).graph.node
+        if n.op_type == "PythonOp"
+        for a in n.attribute
+        if a.name == "comment"
+    ]
+    assert sorted(comments) == ["aten::native_layer_norm_backward", "aten::threshold_backward"]
+
+
 def test_entries_are_onnx_and_json_only_in_a_private_folder(tmp_path: Path) -> None:
     folder = tmp_path / "cache"
     _train_once(_engine(Small(), folder), torch.randn(5, 4))

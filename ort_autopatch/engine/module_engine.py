@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import logging
@@ -121,6 +122,9 @@ class _Entry:
     saved: tuple[int, ...]
     output_spec: export.OutputSpec
     recipe: Recipe
+    # what the session runs when it differs from the recipe's (`_for_device`)
+    gradient: session.GradientGraph | None = None
+    torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
@@ -446,7 +450,14 @@ class ModuleEngine:
                 if stored is not None:
                     progress.phase = "session"
                     entry = self._instantiate(stored, state, call, device)
-                    self._record(reason, 0.0, time.perf_counter() - start, grad, from_disk=True)
+                    self._record(
+                        reason,
+                        0.0,
+                        time.perf_counter() - start,
+                        grad,
+                        from_disk=True,
+                        torch_nodes=entry.torch_nodes,
+                    )
                     return entry
             recipe, export_seconds = self._export_recipe(
                 module, state, call, grad, progress, static=shapes is not None
@@ -458,13 +469,13 @@ class ModuleEngine:
                 export_seconds,
                 time.perf_counter() - start - export_seconds,
                 grad,
-                torch_nodes=recipe.torch_nodes,
+                torch_nodes=entry.torch_nodes,
             )
             self.records[-1].per_shape = self._static_shapes
             self.records[-1].hot_shape = hot is not None and not self._static_shapes
         # the build may have switched every graph to static shapes
         shapes = call.shapes() if self._static_shapes else hot
-        self._save(module, recipe, state, call, grad, device, shapes, base_key=persisted)
+        self._save(module, entry, state, call, grad, device, shapes, base_key=persisted)
         return entry
 
     def _record(
@@ -552,7 +563,7 @@ class ModuleEngine:
         device = next(iter(devices), torch.device("cpu"))
         while True:
             try:
-                recipe = self._recipe(state, call, exported, model, grad, device)
+                recipe = self._recipe(state, call, exported, model, grad)
                 missing = set()
                 if recipe.gradient is not None:
                     missing = torch_ops.unrunnable_gradients(recipe.gradient.model, device)
@@ -638,11 +649,8 @@ class ModuleEngine:
         exported: export.ExportedGraph,
         model: Any,
         grad: bool,
-        device: torch.device,
     ) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
-        from ort_autopatch.engine import torch_ops
-
         graph.name_outputs(model)
         num_user_outputs = len(model.graph.output)
         graph.relax_shapes(model)
@@ -706,11 +714,6 @@ class ModuleEngine:
                 extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
                 cls=self._cls,
             )
-            if device.type == "cpu":
-                largest = max((t.numel() for t in call.tensors), default=0)
-                gradient.model = torch_ops.gradients_in_torch(
-                    gradient.model, largest, self._may_route
-                )
         return Recipe(
             training=grad,
             forward_model=model_bytes,
@@ -720,10 +723,7 @@ class ModuleEngine:
             output_spec=exported.output_spec,
             batch_norms=batch_norms,
             seeds_dropout=rng.draws_per_run(model),
-            # the gradient graph holds the forward's nodes and those of its own
-            torch_nodes=torch_nodes.Inventory.of(
-                model if gradient is None else _load(gradient.model)
-            ).counts,
+            torch_nodes=torch_nodes.Inventory.of(model).counts,
             checks=exported.checks,
             traced_shapes=call.shapes(),
         )
@@ -753,13 +753,25 @@ class ModuleEngine:
         step = bridge.Step(self._cls, recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
         capture = self._store is not None and recipe.optimized is None
         if recipe.gradient is not None:
-            program: Any = session.build_training(
-                recipe.gradient, device, self.settings, self._cls, recipe.optimized, capture
-            )
-            recipe.optimized = recipe.optimized or program.optimized
+            gradient = self._for_device(recipe.gradient, recipe.feed_sources, call, device)
+            if gradient is not recipe.gradient:
+                # ORT's optimised graph would name this process's callables: never stored
+                program: Any = session.build_training(
+                    gradient, device, self.settings, self._cls, None, False
+                )
+            else:
+                program = session.build_training(
+                    gradient, device, self.settings, self._cls, recipe.optimized, capture
+                )
+                recipe.optimized = recipe.optimized or program.optimized
             feeds = [locate(n) for n in program.feed_names]
             saved = program.backward_reads_feeds
-            return _Entry(True, program, step, feeds, saved, recipe.output_spec, recipe)
+            counts = dict(recipe.torch_nodes)
+            if gradient is not recipe.gradient:
+                counts = torch_nodes.Inventory.of(_load(gradient.model)).counts
+            return _Entry(
+                True, program, step, feeds, saved, recipe.output_spec, recipe, gradient, counts
+            )
         program = session.build_inference(
             recipe.optimized or recipe.forward_model,
             device,
@@ -770,7 +782,31 @@ class ModuleEngine:
         )
         recipe.optimized = recipe.optimized or program.optimized
         feeds = [locate(n) for n in program.feed_names]
-        return _Entry(False, program, step, feeds, (), recipe.output_spec, recipe)
+        return _Entry(
+            False, program, step, feeds, (), recipe.output_spec, recipe, None, recipe.torch_nodes
+        )
+
+    def _for_device(
+        self,
+        gradient: session.GradientGraph,
+        feed_sources: dict[str, tuple[str, Any]],
+        call: signature.FlatCall,
+        device: torch.device,
+    ) -> session.GradientGraph:
+        """The gradient graph as this device's session runs it: on CPU, ORT's slow gradient
+        kernels become torch-calling nodes (`torch_ops.gradients_in_torch`). Done here, not in
+        the recipe, so the persistent cache keeps a graph that names no process's callables."""
+        if device.type != "cpu":
+            return gradient
+        from ort_autopatch.engine import torch_ops
+
+        shapes = {
+            name: tuple(call.tensors[where].shape)
+            for name, (kind, where) in feed_sources.items()
+            if kind == "input"
+        }
+        model = torch_ops.gradients_in_torch(gradient.model, shapes, self._may_route)
+        return gradient if model is gradient.model else dataclasses.replace(gradient, model=model)
 
     # -- on disk ---------------------------------------------------------------------------
     def _persistent_key(
@@ -823,7 +859,7 @@ class ModuleEngine:
     def _save(
         self,
         module: torch.nn.Module,
-        recipe: Recipe,
+        entry: _Entry,
         state: ModuleState,
         call: signature.FlatCall,
         grad: bool,
@@ -833,6 +869,7 @@ class ModuleEngine:
     ) -> None:
         from ort_autopatch.engine import persist
 
+        recipe = entry.recipe
         # Recomputed: the build may have switched to static shapes.
         static = self._persistent_key(module, state, call, grad, device, shapes)
         # torch-calling nodes name callables of this process: such graphs cannot be reloaded
@@ -847,9 +884,13 @@ class ModuleEngine:
                 self._store.save(static, key, meta, persist.graphs_of(recipe), union)
         if self.options.save_onnx is not None:
             name = static or persist.digest(repr(call.signature))
-            persist.save_onnx(
-                self.options.save_onnx, self._cls, grad, module.training, name, recipe
+            # the graphs the sessions run, torch-calling gradient nodes included
+            ran = (
+                recipe
+                if entry.gradient is None
+                else dataclasses.replace(recipe, gradient=entry.gradient)
             )
+            persist.save_onnx(self.options.save_onnx, self._cls, grad, module.training, name, ran)
 
 
 def _refuse_empty(cls: str, call: signature.FlatCall) -> None:

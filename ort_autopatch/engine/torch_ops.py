@@ -487,7 +487,9 @@ GRADIENTS_IN_TORCH: dict[str, tuple[str, Callable[..., Any]]] = {
 
 
 def gradients_in_torch(
-    gradient_model: bytes, largest_input: int, may_route: Callable[[str], bool]
+    gradient_model: bytes,
+    input_shapes: dict[str, tuple[int, ...]],
+    may_route: Callable[[str], bool],
 ) -> bytes:
     """ORT's slow CPU gradient nodes (`GRADIENTS_IN_TORCH`) as torch-calling nodes running the
     function eager's backward runs, so the same numbers: `threshold_backward` keeps eager's 0
@@ -496,8 +498,9 @@ def gradients_in_torch(
 
     The forward nodes stay ONNX (no round trip; what reads them, such as pooling gradients,
     keeps its shapes). A node is replaced when its input is large enough to pay for the round
-    trip: by its size where shape inference knows it, else by the call's largest input
-    (dynamic axes hide the size).
+    trip, judged by its size for the call being built (`input_shapes`, the graph inputs'
+    shapes), as the trace judges sizes; where shape inference cannot tell, by the call's
+    largest input.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -505,7 +508,17 @@ def gradients_in_torch(
     if not any(op.encode() in gradient_model for op in GRADIENTS_IN_TORCH):
         return gradient_model
     model = onnx.load_from_string(gradient_model)
-    inferred = onnx.shape_inference.infer_shapes(model)
+    shaped = onnx.ModelProto()
+    shaped.CopyFrom(model)
+    for graph_input in shaped.graph.input:
+        shape = input_shapes.get(graph_input.name)
+        dims = graph_input.type.tensor_type.shape.dim
+        if shape is not None and len(dims) == len(shape):
+            for dim, size in zip(dims, shape, strict=True):
+                dim.Clear()
+                dim.dim_value = size
+    inferred = onnx.shape_inference.infer_shapes(shaped)
+    largest_input = max(map(math.prod, input_shapes.values()), default=0)
     types = {
         v.name: v.type.tensor_type for v in (*inferred.graph.value_info, *inferred.graph.input)
     }

@@ -253,3 +253,68 @@ def test_summed_gather_grads_of_leading_indices_become_one_padded_concat(size: i
     assert "Sum" not in ops and "SliceGrad" not in ops and "Pad" in ops
     np.testing.assert_array_equal(run(rewritten), expected)
     assert expected.shape == (size, 4, 2) and not expected[3:].any()
+
+
+def _packed_qkv(extra_reader: bool = False) -> onnx.ModelProto:
+    """MultiheadAttention's packed projection as exported: [S, B, 3, E] -> unsqueeze(0) ->
+    transpose(0, -2) -> squeeze(-2) -> proj[0], proj[1], proj[2]."""
+
+    def ints(name: str, values: list[int], scalar: bool = False) -> onnx.NodeProto:
+        dims = [] if scalar else [len(values)]
+        return helper.make_node(
+            "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, dims, values)
+        )
+
+    nodes = [
+        ints("zero", [0]),
+        ints("three", [3]),
+        *(ints(f"i{k}", [k], scalar=True) for k in range(3)),
+        helper.make_node("Unsqueeze", ["proj", "zero"], ["u"]),
+        helper.make_node("Transpose", ["u"], ["t"], perm=[3, 1, 2, 0, 4]),
+        helper.make_node("Squeeze", ["t", "three"], ["moved"]),
+        *(helper.make_node("Gather", ["moved", f"i{k}"], [f"qkv{k}"], axis=0) for k in range(3)),
+    ]
+    outputs = ["qkv0", "qkv1", "qkv2"] + (["twice"] if extra_reader else [])
+    if extra_reader:
+        nodes.append(helper.make_node("Add", ["moved", "moved"], ["twice"]))
+    return helper.make_model(
+        helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("proj", TensorProto.FLOAT, ["s", "b", 3, 4])],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,  # what ONNX Runtime 1.19.2 reads
+    )
+
+
+def test_packed_qkv_are_gathered_where_they_lie_with_the_same_values() -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    proj = np.random.default_rng(0).standard_normal((5, 2, 3, 4)).astype(np.float32)
+
+    def run(model: onnx.ModelProto) -> list[np.ndarray]:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # the rewrite leaves constants unused
+        session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        return session.run(None, {"proj": proj})
+
+    rewritten = _packed_qkv()
+    assert graph.gather_without_axis_move(rewritten) == 1
+    ops = [n.op_type for n in rewritten.graph.node if n.op_type != "Constant"]
+    assert ops == ["Gather"] * 3
+    assert all(next(a.i for a in n.attribute) == 2 for n in rewritten.graph.node[-3:])
+    for got, want in zip(run(rewritten), run(_packed_qkv()), strict=True):
+        np.testing.assert_array_equal(got, want)
+    for k, got in enumerate(run(rewritten)):
+        np.testing.assert_array_equal(got, proj[:, :, k])
+
+
+def test_a_moved_tensor_read_by_more_than_gathers_is_left_alone() -> None:
+    model = _packed_qkv(extra_reader=True)
+    assert graph.gather_without_axis_move(model) == 0
+    assert "Transpose" in [n.op_type for n in model.graph.node]

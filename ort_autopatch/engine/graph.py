@@ -13,8 +13,9 @@ from onnx import TensorProto, helper
 
 #: Bumped whenever a pass changes what it emits; part of every persistent cache key.
 #: 3: torch-calling nodes (torch_nodes.py); 4: GroupNorm decomposed; 5: constant-index GatherGrad
-#: as SliceGrad, or one padded Concat (`gather_grad_as_slice_grad`)
-GRAPH_FIX_VERSION = 5
+#: as SliceGrad, or one padded Concat (`gather_grad_as_slice_grad`); 6: packed q/k/v picked
+#: without the transpose (`gather_without_axis_move`)
+GRAPH_FIX_VERSION = 6
 
 
 def _unique(model: onnx.ModelProto, base: str) -> str:
@@ -398,6 +399,13 @@ def torch_node_mode(model: onnx.ModelProto, training: bool) -> int:
 
 def _integer_scalars(model: onnx.ModelProto) -> dict[str, int]:
     """Every constant integer scalar of the graph (Constant nodes and initializers) by name."""
+    return {
+        name: values[0] for name, (values, scalar) in _integer_constants(model).items() if scalar
+    }
+
+
+def _integer_constants(model: onnx.ModelProto) -> dict[str, tuple[list[int], bool]]:
+    """Every constant integer scalar or vector of the graph by name: (values, is a scalar)."""
     from onnx import numpy_helper
 
     tensors = {t.name: t for t in model.graph.initializer}
@@ -407,10 +415,89 @@ def _integer_scalars(model: onnx.ModelProto) -> dict[str, int]:
             if value is not None:
                 tensors[node.output[0]] = value.t
     return {
-        name: int(numpy_helper.to_array(t))
+        name: ([int(v) for v in numpy_helper.to_array(t).reshape(-1)], not list(t.dims))
         for name, t in tensors.items()
-        if not list(t.dims) and t.data_type in (TensorProto.INT32, TensorProto.INT64)
+        if len(t.dims) <= 1 and t.data_type in (TensorProto.INT32, TensorProto.INT64)
     }
+
+
+def gather_without_axis_move(model: onnx.ModelProto) -> int:
+    """Pick q, k and v out of a packed projection where they lie, not after moving their axis
+    to the front.
+
+    nn.MultiheadAttention's `proj.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2)
+    .squeeze(-2)` then `proj[0], proj[1], proj[2]` exports as `Unsqueeze(axes 0)` ->
+    `Transpose` (swap 0 and j) -> `Squeeze(axes j)` -> `Gather(i, axis 0)`s: a full copy of the
+    projection in the forward (3 MB for 16x64 tokens of width 256) and another in the backward,
+    for what is `Gather(i, axis j - 1)` of the unflattened projection, element for element.
+    Rewritten only when Gathers on axis 0 are all that read the moved tensor.
+    """
+    producer = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in _reads(node):
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in model.graph.output}
+    constants = _integer_constants(model)
+
+    def read_only_by(name: str, node: onnx.NodeProto) -> bool:
+        found = readers.get(name, [])
+        return len(found) == 1 and found[0] is node and name not in outputs
+
+    def axes_of(node: onnx.NodeProto) -> list[int] | None:
+        if len(node.input) > 1:
+            found = constants.get(node.input[1])
+            return None if found is None else found[0]
+        attribute = next((a for a in node.attribute if a.name == "axes"), None)
+        return None if attribute is None else list(attribute.ints)
+
+    dead: set[int] = set()
+    changed = 0
+    for squeeze in model.graph.node:
+        if squeeze.op_type != "Squeeze" or squeeze.output[0] in outputs:
+            continue
+        transpose = producer.get(squeeze.input[0])
+        if transpose is None or transpose.op_type != "Transpose":
+            continue
+        unsqueeze = producer.get(transpose.input[0])
+        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or axes_of(unsqueeze) != [0]:
+            continue
+        if not read_only_by(transpose.output[0], squeeze):
+            continue
+        if not read_only_by(unsqueeze.output[0], transpose):
+            continue
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [])
+        rank = len(perm)
+        squeezed = axes_of(squeeze)
+        if rank < 2 or squeezed is None or len(squeezed) != 1:
+            continue
+        j = squeezed[0] % rank
+        swapped = list(range(rank))
+        swapped[0], swapped[j] = j, 0
+        if j == 0 or perm != swapped:
+            continue
+        gathers = readers.get(squeeze.output[0], [])
+        if not gathers or not all(
+            g.op_type == "Gather"
+            and g.input[0] == squeeze.output[0]
+            and next((a.i for a in g.attribute if a.name == "axis"), 0) == 0
+            and constants.get(g.input[1], ([], False))[1]
+            for g in gathers
+        ):
+            continue
+        for gather in gathers:
+            gather.input[0] = unsqueeze.input[0]
+            for attribute in list(gather.attribute):
+                if attribute.name == "axis":
+                    gather.attribute.remove(attribute)
+            gather.attribute.append(helper.make_attribute("axis", j - 1))
+        dead.update(id(n) for n in (squeeze, transpose, unsqueeze))
+        changed += 1
+    if changed:
+        kept = [n for n in model.graph.node if id(n) not in dead]
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    return changed
 
 
 def gather_grad_as_slice_grad(gradient_model: onnx.ModelProto) -> int:

@@ -658,6 +658,7 @@ class ModuleEngine:
         graph.layer_norm_outputs(model)
         graph.cross_entropy_log_prob(model)
         graph.attention_dropout(model)
+        graph.gather_without_axis_move(model)
         padding = _embedding_padding(state, exported.state_names)
         frozen = graph.embedding_padding(model, padding) if grad and padding else []
         if grad:

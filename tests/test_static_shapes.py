@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 from ort_autopatch import patcher
 from ort_autopatch.engine import EngineOptions
 from ort_autopatch.engine.callkey import HotShapes
+from ort_autopatch.engine.errors import SessionError
+from ort_autopatch.engine.module_engine import ModuleEngine
 from ort_autopatch.policy import SkipCheck
 from tests.helpers import class_stats, patched
 
@@ -143,6 +146,15 @@ def test_after_zero_never_picks_shapes_and_never_reads_them() -> None:
     assert hot.pick("train", shapes) == (None, False)
 
 
+def test_a_refused_shape_is_never_picked_again() -> None:
+    hot = HotShapes(after=2, limit=2)
+    a = ((4, 5),)
+    hot.pick("train", lambda: a)
+    assert hot.pick("train", lambda: a) == (a, True)
+    hot.refuse("train", a)
+    assert [hot.pick("train", lambda: a) for _ in range(3)] == [(None, False)] * 3
+
+
 # -- the engine -------------------------------------------------------------------------------
 @pytest.mark.usefixtures("layer")
 def test_a_repeated_shape_gets_a_static_graph_and_every_step_matches_eager() -> None:
@@ -212,3 +224,24 @@ def test_unchecked_calls_never_feed_another_shape_to_a_static_graph() -> None:
         stats = class_stats(Layer)
         assert (stats.exports, stats.static_shape_graphs) == (2, 1)
         _assert_all_in_ort(6)
+
+
+@pytest.mark.usefixtures("layer_after_3")
+def test_a_shape_whose_static_graph_cannot_be_built_keeps_the_dynamic_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = ModuleEngine._export_recipe
+
+    def refuse_static(self: ModuleEngine, *args: Any, static: bool) -> Any:
+        if static:
+            raise SessionError("Layer", "refused for the test", "none")
+        return real(self, *args, static=static)
+
+    monkeypatch.setattr(ModuleEngine, "_export_recipe", refuse_static)
+    twins = _Twins()
+    for _ in range(8):
+        twins.step((2, 5, 16))
+    stats = class_stats(Layer)
+    assert (stats.exports, stats.static_shape_graphs) == (1, 0)
+    assert stats.fallbacks == {}
+    _assert_all_in_ort(8)

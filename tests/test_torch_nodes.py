@@ -8,6 +8,7 @@ the module ran in ONNX Runtime; the build records name the operators that ran th
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import onnx
 import pytest
@@ -901,6 +902,25 @@ def test_a_large_layer_norms_gradient_runs_in_torch_with_eager_numbers(norm: dic
     torch.manual_seed(22)
     run = assert_training_parity(Normed(**norm), _wide, steps=3, rtol=RTOL, atol=ATOL)
     assert _torch_nodes(run.engine) == {"aten::native_layer_norm_backward": 1}
+
+
+def test_gradient_nodes_orts_session_refuses_fall_back_to_orts_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ort_autopatch.engine import session
+    from ort_autopatch.engine.errors import SessionError
+
+    real = session.build_training
+
+    def refuse_torch_nodes(gradient: Any, *args: Any) -> Any:
+        if b"PythonOp" in gradient.model:
+            raise SessionError("WideFeedForward", "refused for the test", "none")
+        return real(gradient, *args)
+
+    monkeypatch.setattr(session, "build_training", refuse_torch_nodes)
+    torch.manual_seed(23)
+    run = assert_training_parity(WideFeedForward(), _wide, steps=2, rtol=RTOL, atol=ATOL)
+    assert _torch_nodes(run.engine) == {}
 
 
 def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:

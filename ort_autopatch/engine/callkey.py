@@ -212,6 +212,7 @@ class HotShapes:
         self.limit = limit
         self._hot: dict[Hashable, set[Shapes]] = {}
         self._streak: dict[Hashable, tuple[Shapes, int]] = {}
+        self._refused: set[tuple[Hashable, Shapes]] = set()
 
     def pick(self, mode: Hashable, shapes: Callable[[], Shapes]) -> tuple[Shapes | None, bool]:
         """The shapes a call's key carries (None: the dynamic graph serves it), and whether
@@ -227,5 +228,12 @@ class HotShapes:
         self._streak[mode] = (current, streak)
         if streak < self.after or (hot is not None and len(hot) >= self.limit):
             return None, False
+        if (mode, current) in self._refused:
+            return None, False
         self._hot.setdefault(mode, set()).add(current)
         return current, True
+
+    def refuse(self, mode: Hashable, shapes: Shapes) -> None:
+        """No static-shape graph could be built for these shapes: never pick them again."""
+        self._refused.add((mode, shapes))
+        self._hot.get(mode, set()).discard(shapes)

@@ -33,10 +33,12 @@ from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, Shapes
 from ort_autopatch.engine.errors import (
     DataDependentError,
+    EngineError,
     ExecutionError,
     ExportError,
     GradientBuildError,
     MixedDevicesError,
+    SessionError,
     UnsupportedInputError,
     UnsupportedModelError,
 )
@@ -340,33 +342,56 @@ class ModuleEngine:
             self._keys.note(
                 f"input shape repeated {self._hot.after} calls: a static-shape graph for it"
             )
-        key = self._key(grad, call, requires, hot)
-        entry = self._cache.get(key)
-        if entry is None:
-            with self._build_lock:
-                # Another thread may have built it meanwhile, under a key its build settled.
-                key = self._key(grad, call, requires, hot)
-                entry = self._cache.get(key)
-                if entry is None:
-                    reason = self._keys.miss_reason(key)
-                    shapes = key.shapes
-                    entry = self._cache.get_or_build(
-                        key,
-                        lambda: self._build(module, state, call, grad, reason, shapes, hot),
-                    )
-                    # The build may have switched to static shapes or taught the guards new
-                    # attributes: file the graph under the key later calls will compute.
-                    settled = self._key(grad, call, requires, hot)
-                    if settled != key:
-                        self._cache.rekey(key, settled)
-                        key = settled
-                    self._keys.built(key)
+        try:
+            key, entry = self._entry(module, state, call, grad, requires, hot)
+        except EngineError as exc:
+            if hot is None or self._static_shapes:
+                raise
+            # The static-shape graph this shape earned cannot be built (ORT rejects it): the
+            # dynamic graph keeps serving the shape.
+            log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
+            self._hot.refuse(mode, hot)
+            key, entry = self._entry(module, state, call, grad, requires, None)
         if self.options.verify and self._verified.get(key, 0) < self.options.verify:
             self._verified[key] = self._verified.get(key, 0) + 1
             self._verify(module, entry, state, call, grad, key)
         self._keys.used(key)
         self._trusted[mode] = key
         return entry.run(state, call, recompute)
+
+    def _entry(
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        call: signature.FlatCall,
+        grad: bool,
+        requires: list[bool],
+        hot: Shapes | None,
+    ) -> tuple[CallKey, _Entry]:
+        """The call's key and its graph, built on a miss."""
+        key = self._key(grad, call, requires, hot)
+        entry = self._cache.get(key)
+        if entry is not None:
+            return key, entry
+        with self._build_lock:
+            # Another thread may have built it meanwhile, under a key its build settled.
+            key = self._key(grad, call, requires, hot)
+            entry = self._cache.get(key)
+            if entry is not None:
+                return key, entry
+            reason = self._keys.miss_reason(key)
+            shapes = key.shapes
+            entry = self._cache.get_or_build(
+                key, lambda: self._build(module, state, call, grad, reason, shapes, hot)
+            )
+            # The build may have switched to static shapes or taught the guards new
+            # attributes: file the graph under the key later calls will compute.
+            settled = self._key(grad, call, requires, hot)
+            if settled != key:
+                self._cache.rekey(key, settled)
+                key = settled
+            self._keys.built(key)
+            return key, entry
 
     def _key(
         self,
@@ -755,12 +780,18 @@ class ModuleEngine:
         capture = self._store is not None and recipe.optimized is None
         if recipe.gradient is not None:
             gradient = self._for_device(recipe.gradient, recipe.feed_sources, call, device)
+            program: Any = None
             if gradient is not recipe.gradient:
                 # ORT's optimised graph would name this process's callables: never stored
-                program: Any = session.build_training(
-                    gradient, device, self.settings, self._cls, None, False
-                )
-            else:
+                try:
+                    program = session.build_training(
+                        gradient, device, self.settings, self._cls, None, False
+                    )
+                except SessionError as exc:
+                    # ORT's own shape inference disagrees with the swapped nodes: its kernels
+                    log.debug("%s: gradient nodes stay ORT's (%s)", self._cls, exc)
+                    gradient = recipe.gradient
+            if program is None:
                 program = session.build_training(
                     gradient, device, self.settings, self._cls, recipe.optimized, capture
                 )
@@ -770,8 +801,9 @@ class ModuleEngine:
             counts = dict(recipe.torch_nodes)
             if gradient is not recipe.gradient:
                 counts = torch_nodes.Inventory.of(_load(gradient.model)).counts
+            swapped = gradient if gradient is not recipe.gradient else None
             return _Entry(
-                True, program, step, feeds, saved, recipe.output_spec, recipe, gradient, counts
+                True, program, step, feeds, saved, recipe.output_spec, recipe, swapped, counts
             )
         program = session.build_inference(
             recipe.optimized or recipe.forward_model,

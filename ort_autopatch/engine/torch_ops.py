@@ -499,8 +499,8 @@ def gradients_in_torch(
     The forward nodes stay ONNX (no round trip; what reads them, such as pooling gradients,
     keeps its shapes). A node is replaced when its input is large enough to pay for the round
     trip, judged by its size for the call being built (`input_shapes`, the graph inputs'
-    shapes), as the trace judges sizes; where shape inference cannot tell, by the call's
-    largest input.
+    shapes), as the trace judges sizes; where shape inference knows the rank but not the size,
+    by the call's largest input; where it does not know the rank, not at all.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -531,19 +531,18 @@ def gradients_in_torch(
             nodes.append(node)
             continue
         label, function = route
-        rank, numel = -1, largest_input
-        if known.HasField("shape"):
-            dims = known.shape.dim
-            rank = len(dims)
-            if all(d.HasField("dim_value") for d in dims):
-                numel = math.prod(d.dim_value for d in dims)
+        if not known.HasField("shape"):
+            # an output of unknown rank can fail ORT's shape inference downstream (a Reshape)
+            nodes.append(node)
+            continue
+        dims = known.shape.dim
+        rank, numel = len(dims), largest_input
+        if all(d.HasField("dim_value") for d in dims):
+            numel = math.prod(d.dim_value for d in dims)
         ranks = [rank]
         call: Callable[..., Any] = function
         if node.op_type == "LayerNormalizationGrad":
             axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-            if axis >= 0 and rank < 0:
-                nodes.append(node)
-                continue
             normalized = -axis if axis < 0 else rank - axis
             ranks = [rank, normalized, normalized]
             call = functools.partial(function, axis=axis)

@@ -228,6 +228,7 @@ def run_forward(
     leaves: list[torch.Tensor | None] = []
     meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
     inputs: list[torch.Tensor] = []
+    borrowed: set[int] = set()  # storages of ORT's buffers handed to this node
     position = iter(range(len(args)))
     clone = spec.clone_inputs and training
 
@@ -239,6 +240,8 @@ def run_forward(
             meta.append((torch.Size(), torch.float32, torch.device("cpu")))
             return None
         tensor = _from_capsule(capsule, spec.bool_inputs[k])
+        if tensor.numel():
+            borrowed.add(tensor.untyped_storage().data_ptr())
         meta.append((tensor.shape, tensor.dtype, tensor.device))
         if marker is not TENSOR:
             leaves.append(None)
@@ -259,7 +262,8 @@ def run_forward(
 
     values = _fill(spec.template, feed)
     versions = [t._version for t in inputs]
-    with torch.enable_grad() if training else torch.no_grad():
+    keep = _owned(borrowed) if training else contextlib.nullcontext()
+    with torch.enable_grad() if training else torch.no_grad(), keep:
         if spec.random:
             result = _seeded(spec.call, values, inputs)
         else:
@@ -294,6 +298,25 @@ def run_forward(
     if collected is not None:
         collected.append(ctx)
     return ctx, capsules
+
+
+def _owned(borrowed: set[int]) -> Any:
+    """Saved-tensor hooks that copy what backward keeps of ORT's input buffers.
+
+    ORT hands a node its inputs without keeping them for the node's backward (PythonOpGrad
+    reads only the context and the output gradients), so their memory is free to be reused
+    once the forward moves on: nn.MultiheadAttention's gradients through a routed
+    `scaled_dot_product_attention` came out NaN from q, k and v overwritten by then. A tensor
+    autograd saves (the operator's own saves, a Function's `save_for_backward`) that lies in
+    such a buffer is copied when saved; everything else is saved as it is.
+    """
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() and tensor.untyped_storage().data_ptr() in borrowed:
+            return tensor.detach().clone()
+        return tensor
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
 
 _collecting = threading.local()

@@ -79,7 +79,8 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks; results land in benchmarks/results/*.json."""
-    _install(session, "psutil", TRANSFORMERS)
+    # pytest: bench_export_paths.py reads the input-variety suite's models, then the zoo runs
+    _install(session, "psutil", "pytest", "matplotlib", TRANSFORMERS)
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
     session.run("python", "benchmarks/bench_profile.py")
     session.run("python", "benchmarks/bench_import_hook.py")
@@ -87,7 +88,6 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_dispatch.py")
     session.run("python", "benchmarks/bench_export_paths.py")
     session.run("python", "benchmarks/bench_cache.py")
-    session.install("pytest", "matplotlib")
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", env=ZOO_ENV)
     session.run("python", "benchmarks/render_zoo.py")
     session.run("python", "benchmarks/render_report.py")

@@ -923,6 +923,44 @@ def test_gradient_nodes_orts_session_refuses_fall_back_to_orts_kernels(
     assert _torch_nodes(run.engine) == {}
 
 
+def _encoder() -> nn.Module:
+    return nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+
+
+def _lengths(step: int) -> tuple[tuple[torch.Tensor], dict]:
+    # 2^14 input elements and more: what the size rule reads where it cannot see the ReLU's
+    return (torch.randn(8, 32 + 7 * step, 64, generator=_gen(step)),), {}
+
+
+def test_a_dynamic_graph_gets_the_gradient_nodes_for_every_length() -> None:
+    # behind MultiheadAttention's computed reshapes shape inference knows no rank: the nodes
+    # are sized by the call's largest input and declare none
+    torch.manual_seed(24)
+    run = assert_training_parity(
+        _encoder(), _lengths, steps=3, rtol=RTOL, atol=ATOL, options=EngineOptions(static_after=0)
+    )
+    nodes = {"aten::threshold_backward": 1, "aten::native_layer_norm_backward": 2}
+    assert _torch_nodes(run.engine) == nodes
+
+
+def test_a_static_graph_refusing_rankless_gradient_nodes_runs_with_orts_kernels() -> None:
+    # attention as a torch-calling node hides every shape behind it; ORT's shape inference
+    # refuses rank-less outputs in a static graph, so that graph keeps ORT's kernels
+    torch.manual_seed(25)
+    options = EngineOptions(static_after=2, torch_ops=("aten::scaled_dot_product_attention",))
+    run = assert_training_parity(
+        _encoder(),
+        lambda s: ((torch.randn(8, 40, 64, generator=_gen(s)),), {}),
+        steps=3,
+        rtol=RTOL,
+        atol=ATOL,
+        options=options,
+    )
+    dynamic, static = run.engine.records
+    assert (dynamic.hot_shape, static.hot_shape) == (False, True)
+    assert static.torch_nodes == {"aten::scaled_dot_product_attention": 1}
+
+
 def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:
     """ORT's function pool holds Python objects in C++ statics; they are released at exit
     while the interpreter still lives (a crash at teardown otherwise)."""
@@ -1034,6 +1072,30 @@ def test_fused_attention_runs_torchs_kernel_inside_the_graph(mode: str, device: 
         rtol=RTOL,
         atol=ATOL,
         options=options,
+    )
+    assert _torch_nodes(run.engine) == {SDPA: 1}
+
+
+class TorchAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def test_multihead_attention_through_the_fused_kernel_gets_eagers_gradients() -> None:
+    """Its q, k and v lie in ORT buffers that ORT reuses once the forward moves on; the
+    kernel's saved copies keep them for backward (they were NaN before)."""
+    torch.manual_seed(26)
+    run = assert_training_parity(
+        TorchAttention(),
+        lambda s: ((torch.randn(8, 40 - 3 * s, 64, generator=_gen(s)),), {}),
+        steps=STEPS,
+        rtol=RTOL,
+        atol=ATOL,
+        options=EngineOptions(torch_ops=(SDPA,)),
     )
     assert _torch_nodes(run.engine) == {SDPA: 1}
 

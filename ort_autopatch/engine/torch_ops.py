@@ -499,8 +499,10 @@ def gradients_in_torch(
     The forward nodes stay ONNX (no round trip; what reads them, such as pooling gradients,
     keeps its shapes). A node is replaced when its input is large enough to pay for the round
     trip, judged by its size for the call being built (`input_shapes`, the graph inputs'
-    shapes), as the trace judges sizes; where shape inference knows the rank but not the size,
-    by the call's largest input; where it does not know the rank, not at all.
+    shapes), as the trace judges sizes; where shape inference cannot tell (dynamic `Reshape`
+    targets, a forward torch-calling node upstream), by the call's largest input. Such a node's
+    outputs then have no declared rank, which ORT's shape inference may refuse in a graph of
+    static shapes; the engine then keeps ORT's kernels for that graph.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -523,26 +525,34 @@ def gradients_in_torch(
         v.name: v.type.tensor_type for v in (*inferred.graph.value_info, *inferred.graph.input)
     }
     taken = {o for n in model.graph.node for o in n.output}
+    # where inference lost even the type, it is float32 if every floating input is
+    floating = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+    fed = {i.type.tensor_type.elem_type for i in model.graph.input} & floating
+    float32 = (
+        onnx.TypeProto.Tensor(elem_type=TensorProto.FLOAT) if fed == {TensorProto.FLOAT} else None
+    )
+    swapped = 0
     nodes = []
     for node in model.graph.node:
         route = GRADIENTS_IN_TORCH.get(node.op_type) if node.domain == DOMAIN else None
-        known = types.get(node.input[1]) if route is not None else None
+        known = types.get(node.input[1], float32) if route is not None else None
         if route is None or known is None or known.elem_type != TensorProto.FLOAT:
             nodes.append(node)
             continue
         label, function = route
-        if not known.HasField("shape"):
-            # an output of unknown rank can fail ORT's shape inference downstream (a Reshape)
-            nodes.append(node)
-            continue
-        dims = known.shape.dim
-        rank, numel = len(dims), largest_input
-        if all(d.HasField("dim_value") for d in dims):
-            numel = math.prod(d.dim_value for d in dims)
+        rank, numel = -1, largest_input  # unknown behind dynamic reshapes or a torch node
+        if known.HasField("shape"):
+            dims = known.shape.dim
+            rank = len(dims)
+            if all(d.HasField("dim_value") for d in dims):
+                numel = math.prod(d.dim_value for d in dims)
         ranks = [rank]
         call: Callable[..., Any] = function
         if node.op_type == "LayerNormalizationGrad":
             axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+            if axis >= 0 and rank < 0:
+                nodes.append(node)
+                continue
             normalized = -axis if axis < 0 else rank - axis
             ranks = [rank, normalized, normalized]
             call = functools.partial(function, axis=axis)
@@ -591,6 +601,9 @@ def gradients_in_torch(
                 comment=spec.label,
             )
         )
+        swapped += 1
+    if swapped == 0:
+        return gradient_model  # the very same graph
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return model.SerializeToString()

@@ -1085,17 +1085,19 @@ class TorchAttention(nn.Module):
         return self.attention(x, x, x, need_weights=False)[0]
 
 
-def test_multihead_attention_through_the_fused_kernel_gets_eagers_gradients() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_multihead_attention_through_the_fused_kernel_gets_eagers_gradients(device: str) -> None:
     """Its q, k and v lie in ORT buffers that ORT reuses once the forward moves on; the
     kernel's saved copies keep them for backward (they were NaN before)."""
     torch.manual_seed(26)
+    options = EngineOptions(torch_ops=(SDPA,)) if device == "cpu" else None  # CUDA: by rule
     run = assert_training_parity(
-        TorchAttention(),
-        lambda s: ((torch.randn(8, 40 - 3 * s, 64, generator=_gen(s)),), {}),
+        TorchAttention().to(device),
+        lambda s: ((torch.randn(8, 40 - 3 * s, 64, generator=_gen(s)).to(device),), {}),
         steps=STEPS,
         rtol=RTOL,
         atol=ATOL,
-        options=EngineOptions(torch_ops=(SDPA,)),
+        options=options,
     )
     assert _torch_nodes(run.engine) == {SDPA: 1}
 

@@ -124,7 +124,7 @@ class _Entry:
     saved: tuple[int, ...]
     output_spec: export.OutputSpec
     recipe: Recipe
-    # what the session runs when it differs from the recipe's (`_for_device`)
+    # the gradient graph the session runs when it is not the recipe's (`_for_device`)
     gradient: session.GradientGraph | None = None
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
 
@@ -380,9 +380,8 @@ class ModuleEngine:
             if entry is not None:
                 return key, entry
             reason = self._keys.miss_reason(key)
-            shapes = key.shapes
             entry = self._cache.get_or_build(
-                key, lambda: self._build(module, state, call, grad, reason, shapes, hot)
+                key, lambda: self._build(module, state, call, grad, reason, hot)
             )
             # The build may have switched to static shapes or taught the guards new
             # attributes: file the graph under the key later calls will compute.
@@ -455,10 +454,11 @@ class ModuleEngine:
         call: signature.FlatCall,
         grad: bool,
         reason: str,
-        shapes: Shapes | None,
         hot: Shapes | None,
     ) -> _Entry:
-        """Build the graph of one key; `shapes` not None: for these input shapes only."""
+        """Build the graph of one key: for the call's shapes only when the model specialises
+        on sizes or `hot` (the shapes that earned a static-shape graph) is given."""
+        shapes = call.shapes() if self._static_shapes else hot
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
             raise MixedDevicesError(
@@ -779,29 +779,28 @@ class ModuleEngine:
         step = bridge.Step(self._cls, recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
         capture = self._store is not None and recipe.optimized is None
         if recipe.gradient is not None:
-            gradient = self._for_device(recipe.gradient, recipe.feed_sources, call, device)
+            swapped = self._for_device(recipe.gradient, recipe.feed_sources, call, device)
             program: Any = None
-            if gradient is not recipe.gradient:
+            if swapped is not None:
                 # ORT's optimised graph would name this process's callables: never stored
                 try:
                     program = session.build_training(
-                        gradient, device, self.settings, self._cls, None, False
+                        swapped, device, self.settings, self._cls, None, False
                     )
                 except SessionError as exc:
                     # ORT's own shape inference disagrees with the swapped nodes: its kernels
                     log.debug("%s: gradient nodes stay ORT's (%s)", self._cls, exc)
-                    gradient = recipe.gradient
+                    swapped = None
             if program is None:
                 program = session.build_training(
-                    gradient, device, self.settings, self._cls, recipe.optimized, capture
+                    recipe.gradient, device, self.settings, self._cls, recipe.optimized, capture
                 )
                 recipe.optimized = recipe.optimized or program.optimized
             feeds = [locate(n) for n in program.feed_names]
             saved = program.backward_reads_feeds
-            counts = dict(recipe.torch_nodes)
-            if gradient is not recipe.gradient:
-                counts = torch_nodes.Inventory.of(_load(gradient.model)).counts
-            swapped = gradient if gradient is not recipe.gradient else None
+            counts = recipe.torch_nodes
+            if swapped is not None:
+                counts = torch_nodes.Inventory.of(_load(swapped.model)).counts
             return _Entry(
                 True, program, step, feeds, saved, recipe.output_spec, recipe, swapped, counts
             )
@@ -825,12 +824,13 @@ class ModuleEngine:
         feed_sources: dict[str, tuple[str, Any]],
         call: signature.FlatCall,
         device: torch.device,
-    ) -> session.GradientGraph:
-        """The gradient graph as this device's session runs it: on CPU, ORT's slow gradient
-        kernels become torch-calling nodes (`torch_ops.gradients_in_torch`). Done here, not in
-        the recipe, so the persistent cache keeps a graph that names no process's callables."""
+    ) -> session.GradientGraph | None:
+        """The gradient graph as this device's session would rather run it, or None for the
+        recipe's own: on CPU, ORT's slow gradient kernels become torch-calling nodes
+        (`torch_ops.gradients_in_torch`). Done here, not in the recipe, so the persistent cache
+        keeps a graph that names no process's callables."""
         if device.type != "cpu":
-            return gradient
+            return None
         from ort_autopatch.engine import torch_ops
 
         shapes = {
@@ -839,7 +839,7 @@ class ModuleEngine:
             if kind == "input"
         }
         model = torch_ops.gradients_in_torch(gradient.model, shapes, self._may_route)
-        return gradient if model is gradient.model else dataclasses.replace(gradient, model=model)
+        return None if model is gradient.model else dataclasses.replace(gradient, model=model)
 
     # -- on disk ---------------------------------------------------------------------------
     def _persistent_key(

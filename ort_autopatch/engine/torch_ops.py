@@ -475,14 +475,36 @@ def _layer_norm_backward(
     return result
 
 
+#: A gradient node's torch call and the ranks of its inputs and outputs, from the node and
+#: the rank of its forward tensor (-1: unknown); None where the node's form is not the one known.
+_Binding = tuple[Callable[..., Any], list[int], list[int]]
+
+
+def _bind_relu(node: Any, rank: int) -> _Binding | None:
+    if len(node.input) != 2:  # (incoming gradient, the ReLU's output)
+        return None
+    return _relu_backward, [rank, rank], [rank]
+
+
+def _bind_layer_norm(node: Any, rank: int) -> _Binding | None:
+    if len(node.input) != 5:  # (incoming gradient, x, scale, mean, inverse std)
+        return None
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+    if axis >= 0 and rank < 0:
+        return None  # how many dimensions it normalises is unknown
+    normalized = -axis if axis < 0 else rank - axis
+    call = functools.partial(_layer_norm_backward, axis=axis)
+    return call, [rank, rank, normalized, rank, rank], [rank, normalized, normalized]
+
+
 #: ORT CPU gradient kernels slower than the torch function eager's backward calls, by
-#: operator type: what reports call them, and the function. Measured alone (2^20 floats, 1
+#: operator type: what reports call them, and how to call it. Measured alone (2^20 floats, 1
 #: thread): `ReluGrad` 5.7 ms (an Eigen select branching per element) against
 #: `threshold_backward` 0.5 ms; `LayerNormalizationGrad` (16x64x256) 2.3 ms at 1 thread and
 #: 2.4 at 2 (not parallel) against `native_layer_norm_backward` 0.3.
-GRADIENTS_IN_TORCH: dict[str, tuple[str, Callable[..., Any]]] = {
-    "ReluGrad": ("aten::threshold_backward", _relu_backward),
-    "LayerNormalizationGrad": ("aten::native_layer_norm_backward", _layer_norm_backward),
+GRADIENTS_IN_TORCH: dict[str, tuple[str, Callable[[Any, int], _Binding | None]]] = {
+    "ReluGrad": ("aten::threshold_backward", _bind_relu),
+    "LayerNormalizationGrad": ("aten::native_layer_norm_backward", _bind_layer_norm),
 }
 
 
@@ -539,41 +561,29 @@ def gradients_in_torch(
         if route is None or known is None or known.elem_type != TensorProto.FLOAT:
             nodes.append(node)
             continue
-        label, function = route
+        label, bind = route
         rank, numel = -1, largest_input  # unknown behind dynamic reshapes or a torch node
         if known.HasField("shape"):
             dims = known.shape.dim
             rank = len(dims)
             if all(d.HasField("dim_value") for d in dims):
                 numel = math.prod(d.dim_value for d in dims)
-        ranks = [rank]
-        call: Callable[..., Any] = function
-        if node.op_type == "LayerNormalizationGrad":
-            axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-            if axis >= 0 and rank < 0:
-                nodes.append(node)
-                continue
-            normalized = -axis if axis < 0 else rank - axis
-            ranks = [rank, normalized, normalized]
-            call = functools.partial(function, axis=axis)
-        if (
-            numel < GRADIENT_IN_TORCH_FROM
-            or not may_route(label)
-            or len(node.input) != (2 if node.op_type == "ReluGrad" else 5)
-        ):
+        binding = bind(node, rank)
+        if binding is None or numel < GRADIENT_IN_TORCH_FROM or not may_route(label):
             nodes.append(node)
             continue
+        call, input_ranks, output_ranks = binding
         spec = torch_nodes.new_spec(
             label,
             "aten",
             call,
-            [TENSOR] * len(node.input),
-            [False] * len(node.input),
-            [False] * len(ranks),
-            output_dtypes=[torch.float32] * len(ranks),
+            [TENSOR] * len(input_ranks),
+            [False] * len(input_ranks),
+            [False] * len(output_ranks),
+            output_dtypes=[torch.float32] * len(output_ranks),
         )
         outputs = []
-        for k in range(len(ranks)):
+        for k in range(len(output_ranks)):
             name = node.output[k] if k < len(node.output) else ""
             if not name:  # an output the graph does not use still needs a name here
                 name = f"{node.name or node.op_type}__unused_{k}"
@@ -589,13 +599,11 @@ def gradients_in_torch(
                 name=f"{node.name}__torch",
                 domain=DOMAIN,
                 func_name=spec.name,
-                input_convention="d" * len(node.input),
-                input_tensor_types=[TensorProto.FLOAT] * len(node.input),
-                input_tensor_ranks=[rank] * len(node.input)
-                if node.op_type == "ReluGrad"
-                else [rank, rank, ranks[1], rank, rank],
-                output_tensor_types=[TensorProto.FLOAT] * len(ranks),
-                output_tensor_ranks=ranks,
+                input_convention="d" * len(input_ranks),
+                input_tensor_types=[TensorProto.FLOAT] * len(input_ranks),
+                input_tensor_ranks=input_ranks,
+                output_tensor_types=[TensorProto.FLOAT] * len(output_ranks),
+                output_tensor_ranks=output_ranks,
                 training_mode=0,  # a node of the backward pass: nothing to differentiate
                 safe_run_mode=1,
                 comment=spec.label,

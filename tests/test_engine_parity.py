@@ -151,7 +151,8 @@ def test_transformer_encoder_layer_parity_dropout_zero() -> None:
 
     # SGD, not AdamW: the key bias has an exactly-zero true gradient (softmax is shift-invariant),
     # and Adam would turn its rounding noise into full-size steps of arbitrary sign.
-    assert_training_parity(layer, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
+    run = assert_training_parity(layer, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
+    assert [r.hot_shape for r in run.engine.records] == [False, True]  # static graph, steps 9+
 
 
 def _mean_deviation(
@@ -414,3 +415,5 @@ def test_bert_for_sequence_classification_parity(attn_implementation: str) -> No
     # SGD: attention key biases have exactly-zero true gradients (see the encoder-layer test).
     run = assert_training_parity(model, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
     assert run.engine_model.config._attn_implementation == attn_implementation
+    # the fixed shape earned its static-shape graph: the last steps ran in it, at eager's numbers
+    assert [r.hot_shape for r in run.engine.records] == [False, True]

@@ -245,3 +245,35 @@ def test_a_shape_whose_static_graph_cannot_be_built_keeps_the_dynamic_graph(
     assert (stats.exports, stats.static_shape_graphs) == (1, 0)
     assert stats.fallbacks == {}
     _assert_all_in_ort(8)
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x))
+
+
+def test_a_static_shape_graph_draws_new_dropout_masks_every_call() -> None:
+    """The static export freezes sizes, never random draws: each call drops other units, at
+    eager's rate and scale, and eval mode matches eager exactly."""
+    from ort_autopatch.engine import ModuleEngine as Engine
+
+    torch.manual_seed(0)
+    model = Dropped()
+    engine = Engine(model, EngineOptions(static_after=2))
+    x = torch.randn(32, 16)
+    outs = [engine(x) for _ in range(5)]
+    assert [r.hot_shape for r in engine.records] == [False, True]
+    masks = [(o == 0) for o in outs[2:]]  # the static graph's calls
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    kept = model.fc(x).detach() * 2
+    for out, mask in zip(outs[2:], masks, strict=True):
+        assert 0.4 < mask.float().mean().item() < 0.6
+        torch.testing.assert_close(out[~mask].detach(), kept[~mask])
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), model.fc(x))

@@ -435,6 +435,18 @@ class Config:
         "grad mode, each costs one more export and gradient build)",
     )
 
+    compile_executor: bool = option(
+        True,
+        env="ORT_AUTOPATCH_COMPILE_EXECUTOR",
+        flag="--no-compile-executor",
+        flag_sets=False,
+        kind=Switch(),
+        engine=True,
+        help="on CPU, ORT's slow ReLU and LayerNorm gradient nodes call torch's backward "
+        "functions through a small C++ executor, compiled once with the machine's C++ compiler "
+        "(about 15 s) and cached in ~/.cache/ort_autopatch; off: through Python, slower",
+    )
+
     untested_torch: bool = option(
         False,
         env="ORT_AUTOPATCH_UNTESTED_TORCH",

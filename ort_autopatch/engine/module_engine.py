@@ -78,6 +78,8 @@ class EngineOptions:
     # calls in a row with one input shape after which that shape gets a static-shape graph of
     # its own (callkey.HotShapes; 0: never)
     static_after: int = 8
+    # gradient nodes may call torch through the compiled ATen executor (aten_nodes.py)
+    compile_executor: bool = True
 
 
 @dataclass
@@ -474,7 +476,7 @@ class ModuleEngine:
                 stored = self._load(persisted, state)
                 if stored is not None:
                     progress.phase = "session"
-                    entry = self._instantiate(stored, state, call, device)
+                    entry = self._instantiate(stored, state, call, device, progress)
                     self._record(
                         reason,
                         0.0,
@@ -488,7 +490,7 @@ class ModuleEngine:
                 module, state, call, grad, progress, static=shapes is not None
             )
             progress.phase = "session"
-            entry = self._instantiate(recipe, state, call, device)
+            entry = self._instantiate(recipe, state, call, device, progress)
             self._record(
                 reason,
                 export_seconds,
@@ -755,7 +757,12 @@ class ModuleEngine:
         )
 
     def _instantiate(
-        self, recipe: Recipe, state: ModuleState, call: signature.FlatCall, device: torch.device
+        self,
+        recipe: Recipe,
+        state: ModuleState,
+        call: signature.FlatCall,
+        device: torch.device,
+        progress: _Progress,
     ) -> _Entry:
         """Sessions for a recipe, bound to this module's tensors."""
 
@@ -779,7 +786,7 @@ class ModuleEngine:
         step = bridge.Step(self._cls, recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
         capture = self._store is not None and recipe.optimized is None
         if recipe.gradient is not None:
-            swapped = self._for_device(recipe.gradient, recipe.feed_sources, call, device)
+            swapped = self._for_device(recipe.gradient, recipe.feed_sources, call, device, progress)
             program: Any = None
             if swapped is not None:
                 # ORT's optimised graph would name this process's callables: never stored
@@ -824,21 +831,28 @@ class ModuleEngine:
         feed_sources: dict[str, tuple[str, Any]],
         call: signature.FlatCall,
         device: torch.device,
+        progress: _Progress,
     ) -> session.GradientGraph | None:
         """The gradient graph as this device's session would rather run it, or None for the
         recipe's own: on CPU, ORT's slow gradient kernels become torch-calling nodes
-        (`torch_ops.gradients_in_torch`). Done here, not in the recipe, so the persistent cache
-        keeps a graph that names no process's callables."""
+        (`gradient_nodes`). Done here, not in the recipe, so the persistent cache keeps a graph
+        that names no process's callables and asks for no compiled executor."""
         if device.type != "cpu":
             return None
-        from ort_autopatch.engine import torch_ops
+        from ort_autopatch.engine import aten_nodes, gradient_nodes
 
         shapes = {
             name: tuple(call.tensors[where].shape)
             for name, (kind, where) in feed_sources.items()
             if kind == "input"
         }
-        model = torch_ops.gradients_in_torch(gradient.model, shapes, self._may_route)
+        aten = False
+        if gradient_nodes.wants_torch(gradient.model):
+            folder = aten_nodes.default_folder() if self.options.compile_executor else None
+            progress.phase = "compiling the ATen executor, once per torch version"
+            aten = aten_nodes.executor(folder) is None
+            progress.phase = "session"
+        model = gradient_nodes.gradients_in_torch(gradient.model, shapes, self._may_route, aten)
         return None if model is gradient.model else dataclasses.replace(gradient, model=model)
 
     # -- on disk ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils import dlpack
 
-from ort_autopatch.engine import rng
+from ort_autopatch.engine import aten_nodes, rng
 
 log = logging.getLogger("ort_autopatch")
 
@@ -562,7 +562,7 @@ class NodeRecord:
 
 
 def nodes_in(model: Any) -> list[NodeRecord]:
-    """The torch-calling nodes of an ONNX model (forward nodes only)."""
+    """The torch-calling nodes of an ONNX model (forward nodes only), `ATen` nodes included."""
     found = []
     for node in model.graph.node:
         if node.op_type == OP_TYPE and node.domain == DOMAIN:
@@ -570,6 +570,9 @@ def nodes_in(model: Any) -> list[NodeRecord]:
             spec = _specs.get(name)
             if spec is not None:
                 found.append(NodeRecord(name, spec.label, spec.kind))
+        elif node.op_type == aten_nodes.OP_TYPE and node.domain == aten_nodes.DOMAIN:
+            operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+            found.append(NodeRecord(node.name, operator, "aten"))
     return found
 
 

@@ -1,0 +1,143 @@
+"""The compiled ATen executor: built once per torch and compiler, shared by processes, calling
+torch operators by name from ORT's `ATen` node with their non-tensor arguments read by schema."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ort_autopatch.engine import aten_nodes, runtime
+
+needs_compiler = pytest.mark.skipif(
+    aten_nodes.compiler() is None, reason="needs a C++ compiler (the fallback is tested below)"
+)
+
+
+def _session(nodes: list, inputs: list[str], initializers: dict[str, np.ndarray]) -> object:
+    assert aten_nodes.executor(aten_nodes.default_folder()) is None
+    ort, _ = runtime.load()
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in inputs],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()],
+        # ORT cannot infer an ATen node's output type: the graph declares it
+        value_info=[
+            helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+            for n in nodes
+            for o in n.output
+            if o != "out"
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(aten_nodes.DOMAIN, 1)],
+        ir_version=8,
+    )
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@needs_compiler
+def test_an_aten_node_reads_int_list_bool_and_absent_optional_arguments_by_schema() -> None:
+    # aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim, *, ScalarType? dtype)
+    node = aten_nodes.node("aten::sum", ["x", "dims", "keep", ""], ["out"], "sum", "dim_IntList")
+    session = _session([node], ["x"], {"dims": np.array([0, 2], np.int64), "keep": np.array(True)})
+    x = torch.randn(3, 4, 5)
+    (got,) = session.run(None, {"x": x.numpy()})  # type: ignore[attr-defined]
+    torch.testing.assert_close(torch.from_numpy(got), x.sum([0, 2], keepdim=True))
+
+
+@needs_compiler
+def test_an_aten_node_reads_a_scalar_argument() -> None:
+    node = aten_nodes.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
+    session = _session([node], ["g", "y"], {"t": np.array(0.5, np.float32)})
+    g, y = torch.randn(100), torch.rand(100)
+    (got,) = session.run(None, {"g": g.numpy(), "y": y.numpy()})  # type: ignore[attr-defined]
+    torch.testing.assert_close(torch.from_numpy(got), torch.where(y > 0.5, g, 0.0))
+
+
+@needs_compiler
+def test_a_failing_operator_fails_the_run_with_torchs_message() -> None:
+    node = aten_nodes.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
+    session = _session([node], ["g", "y"], {"t": np.array(0.0, np.float32)})
+    with pytest.raises(Exception, match="must match the size"):
+        session.run(None, {"g": np.ones(3, np.float32), "y": np.ones(4, np.float32)})  # type: ignore[attr-defined]
+
+
+_BUILD = """
+import sys
+from pathlib import Path
+from ort_autopatch.engine import aten_nodes
+print(aten_nodes.build(Path(sys.argv[1])))
+"""
+
+
+@needs_compiler
+def test_concurrent_processes_build_the_executor_once_and_share_it(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BUILD, str(folder)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    paths = {run.communicate(timeout=600)[0].strip() for run in runs}
+    assert all(run.returncode == 0 for run in runs)
+    (built,) = paths
+    assert [p.name for p in folder.glob("*.so")] == [Path(built).name]
+    stamp = Path(built).stat().st_mtime_ns
+    assert aten_nodes.build(folder) == Path(built)  # cached: not built again
+    assert Path(built).stat().st_mtime_ns == stamp
+
+
+_TRAIN = """
+import torch
+from ort_autopatch.engine import ModuleEngine
+
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+engine = ModuleEngine(model)
+x = torch.randn(128, 32)
+engine(x).sum().backward()
+got = model[0].weight.grad.clone()
+model.zero_grad()
+model(x).sum().backward()
+torch.testing.assert_close(got, model[0].weight.grad, rtol=1e-5, atol=1e-5)
+print(engine.records[0].torch_nodes)
+"""
+
+
+def test_without_a_compiler_gradient_nodes_go_through_python_and_say_why(tmp_path: Path) -> None:
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_TRAIN)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{'aten::threshold_backward': 1}"
+    assert "no C++ compiler found (set CXX, or install g++)" in done.stderr
+    assert "go through Python" in done.stderr
+    assert not list(tmp_path.glob("ort_autopatch/*.so"))
+
+
+@needs_compiler
+def test_a_compiler_error_is_reported_with_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    monkeypatch.setattr(aten_nodes, "SOURCE", source)
+    with pytest.raises(aten_nodes.BuildError, match=r"failed: .*broken\.cpp"):
+        aten_nodes.build(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.so"))

@@ -586,6 +586,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         no_torch_ops=("aten::cumm*", "aten::lstm"),
         verify=2,
         static_after=0,
+        compile_executor=False,
     )
     flags: list[str] = []
     for opt in OPTIONS:

@@ -115,6 +115,8 @@ class OutputSpec:
     carriers: list[int] = field(default_factory=list)
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        if self.spec.is_leaf() and self.tensor_positions and not self.carriers:
+            return tensors[0]  # forward returned one tensor: no tree to rebuild
         leaves = list(self.leaves)
         count = len(self.tensor_positions)
         for pos, tensor in zip(self.tensor_positions, tensors[:count], strict=True):

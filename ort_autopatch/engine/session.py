@@ -253,6 +253,8 @@ class TrainingProgram:
     backward_reads_outputs: tuple[int, ...] = ()
     optimized: bytes | None = None  # ORT's optimised graph, when asked to capture it
     stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
+    # the graph has PythonOp nodes (whose contexts a forward collects); ATen nodes keep none
+    python_nodes: bool = False
 
 
 def build_gradient(
@@ -459,6 +461,7 @@ def build_training(
         ),
         optimized=captured,
         stream=stream,
+        python_nodes=any(n.op_type == "PythonOp" for n in proto.graph.node),
     )
 
 

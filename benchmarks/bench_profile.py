@@ -70,11 +70,12 @@ def _engine(
     threads: int,
     torch_ops: tuple[str, ...] = (),
     static_after: int | None = None,
+    options_: dict[str, Any] | None = None,
     **settings: Any,
 ):
     from ort_autopatch.engine import EngineOptions, ModuleEngine
 
-    options = EngineOptions(threads=threads, torch_ops=torch_ops)
+    options = EngineOptions(threads=threads, torch_ops=torch_ops, **(options_ or {}))
     if static_after is not None:
         options = dataclasses.replace(options, static_after=static_after)
     engine = ModuleEngine(model, options=options)
@@ -285,6 +286,36 @@ def torch_node_overhead(steps: int) -> dict[str, Any]:
     return {"timings": timings, "per_node_per_step_us": per_node * 1e3}
 
 
+def _relu_mlp() -> tuple[nn.Module, torch.Tensor, Loss]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    return model, torch.randn(64, 64), lambda out: (out * out).mean()
+
+
+def gradient_node_overhead(steps: int) -> dict[str, Any]:
+    """ReLU's gradient (64x256 floats, 2^14) three ways: ORT's `ReluGrad` kernel, an `ATen`
+    node through the compiled executor, a `PythonOp` node (`gradient_nodes.py`)."""
+    torch.set_num_threads(1)
+    timings = _interleaved(
+        _relu_mlp,
+        {
+            "ORT ReluGrad": lambda m: _engine(
+                m, 1, options_={"no_torch_ops": ("aten::threshold_backward",)}
+            ),
+            "ATen node": lambda m: _engine(m, 1),
+            "PythonOp node": lambda m: _engine(m, 1, options_={"compile_executor": False}),
+        },
+        steps,
+    )
+    base = timings["ORT ReluGrad"]["step_ms"]
+    return {
+        "timings": timings,
+        "against_orts_kernel_us": {
+            name: (timings[name]["step_ms"] - base) * 1e3 for name in ("ATen node", "PythonOp node")
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -320,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     report["fusions"] = fusions(thread_counts[0])
     report["torch_node"] = torch_node_overhead(max(args.steps * 5, 100))
+    report["gradient_node"] = gradient_node_overhead(max(args.steps * 5, 100))
     report["environment"]["load_average_after"] = os.getloadavg()
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -371,6 +403,11 @@ def _print(report: dict[str, Any]) -> None:
     print(f"one torch-calling node: {node['per_node_per_step_us']:.0f} us per training step")
     for name, v in node["timings"].items():
         print(f"  {name:<26}{v['step_ms']:8.3f} ms{v['ratio']:7.2f}")
+    grad = report["gradient_node"]
+    print("ReLU's gradient (2^14 floats) three ways, us per step against ORT's kernel:")
+    for name, v in grad["timings"].items():
+        delta = grad["against_orts_kernel_us"].get(name, 0.0)
+        print(f"  {name:<26}{v['step_ms']:8.3f} ms{v['ratio']:7.2f}  {delta:+6.0f} us")
 
 
 if __name__ == "__main__":

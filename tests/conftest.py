@@ -1,6 +1,8 @@
 """Shared by every test: pytest rewrites the asserts of the helper modules too, so a failing
 comparison inside a helper explains itself as one in a test does; and no test may let a line
-of ONNX Runtime's C++ logger reach stderr (errors reach users through the tool's messages)."""
+of ONNX Runtime's C++ logger reach stderr (errors reach users through the tool's messages);
+and the ATen executor is compiled before the first test (as a user's first CPU training step
+would), so no test's own time limit pays for the build."""
 
 from __future__ import annotations
 
@@ -26,3 +28,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.outcome = "failed"
             report.longrepr = f"ONNX Runtime's C++ logger wrote to stderr ({title}):\n{found[0]}"
             return
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from ort_autopatch.engine import aten_nodes
+
+    if aten_nodes.compiler() is not None:
+        aten_nodes.build(aten_nodes.default_folder())

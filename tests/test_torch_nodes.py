@@ -963,14 +963,24 @@ def test_a_dynamic_graph_gets_the_gradient_nodes_for_every_length() -> None:
     assert _torch_nodes(run.engine) == nodes
 
 
-def test_a_static_graph_refusing_rankless_python_gradient_nodes_runs_with_orts_kernels() -> None:
-    # attention as a torch-calling node hides every shape behind it; ORT's shape inference
-    # refuses rank-less PythonOp outputs in a static graph, so that graph keeps ORT's kernels
+_ATTENTION = {"aten::scaled_dot_product_attention": 1}
+_GRADIENTS = {"aten::threshold_backward": 1, "aten::native_layer_norm_backward": 2}
+
+
+@pytest.mark.parametrize(
+    ("compiled", "static_nodes"),
+    [(True, {**_ATTENTION, **_GRADIENTS}), (False, _ATTENTION)],
+    ids=["aten-nodes-taken", "python-nodes-refused"],
+)
+def test_a_static_graph_behind_rankless_attention(compiled: bool, static_nodes: dict) -> None:
+    # attention as a torch-calling node hides every shape behind it. ATen nodes' outputs are
+    # declared float tensors of unknown shape, which ORT accepts; its shape inference refuses
+    # rank-less PythonOp outputs in a static graph, so that graph keeps ORT's kernels
     torch.manual_seed(25)
     options = EngineOptions(
         static_after=2,
         torch_ops=("aten::scaled_dot_product_attention",),
-        compile_executor=False,
+        compile_executor=compiled,
     )
     run = assert_training_parity(
         _encoder(),
@@ -982,28 +992,7 @@ def test_a_static_graph_refusing_rankless_python_gradient_nodes_runs_with_orts_k
     )
     dynamic, static = run.engine.records
     assert (dynamic.hot_shape, static.hot_shape) == (False, True)
-    assert static.torch_nodes == {"aten::scaled_dot_product_attention": 1}
-
-
-def test_a_static_graph_takes_rankless_aten_gradient_nodes() -> None:
-    # ATen nodes' outputs are declared float tensors of unknown shape, which ORT accepts
-    torch.manual_seed(25)
-    options = EngineOptions(static_after=2, torch_ops=("aten::scaled_dot_product_attention",))
-    run = assert_training_parity(
-        _encoder(),
-        lambda s: ((torch.randn(8, 40, 64, generator=_gen(s)),), {}),
-        steps=3,
-        rtol=RTOL,
-        atol=ATOL,
-        options=options,
-    )
-    dynamic, static = run.engine.records
-    assert (dynamic.hot_shape, static.hot_shape) == (False, True)
-    assert static.torch_nodes == {
-        "aten::scaled_dot_product_attention": 1,
-        "aten::threshold_backward": 1,
-        "aten::native_layer_norm_backward": 2,
-    }
+    assert static.torch_nodes == static_nodes
 
 
 def test_a_process_with_torch_calling_nodes_exits_cleanly(tmp_path) -> None:

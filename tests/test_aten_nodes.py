@@ -115,8 +115,19 @@ print(engine.records[0].torch_nodes)
 """
 
 
-def test_without_a_compiler_gradient_nodes_go_through_python_and_say_why(tmp_path: Path) -> None:
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path)}
+@pytest.mark.parametrize(
+    ("compiler", "said"),
+    [
+        ({"PATH": "/nonexistent"}, "no C++ compiler found (install g++, or set CXX to one)"),
+        ({"CXX": "no-such-c++"}, "$CXX (no-such-c++) is not a compiler on PATH; set CXX to one"),
+    ],
+    ids=["none-on-path", "bad-cxx"],
+)
+def test_without_a_compiler_gradient_nodes_go_through_python_and_say_why(
+    tmp_path: Path, compiler: dict[str, str], said: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(XDG_CACHE_HOME=str(tmp_path), **compiler)
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_TRAIN)],
         env=env,
@@ -126,7 +137,7 @@ def test_without_a_compiler_gradient_nodes_go_through_python_and_say_why(tmp_pat
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "{'aten::threshold_backward': 1}"
-    assert "no C++ compiler found (set CXX, or install g++)" in done.stderr
+    assert said in done.stderr
     assert "go through Python" in done.stderr
     assert not list(tmp_path.glob("ort_autopatch/*.so"))
 

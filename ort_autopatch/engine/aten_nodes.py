@@ -74,8 +74,8 @@ def executor(folder: Path | None) -> str | None:
                 str(_address(library.ort_autopatch_is_tensor_argument)),
                 str(_address(library.ort_autopatch_execute)),
             )
-        except (OSError, subprocess.SubprocessError, BuildError) as exc:
-            _failure = f"the ATen executor could not be built: {exc}"
+        except Exception as exc:  # whatever stops it, training goes on through Python
+            _failure = f"the ATen executor could not be built: {str(exc)[-600:]}"
             log.warning("%s; torch-calling gradient nodes go through Python (slower)", _failure)
             return _failure
         _library, _registered = library, path
@@ -105,7 +105,10 @@ def build(folder: Path) -> Path:
     """The compiled executor for this torch, built into `folder` unless already there."""
     cxx = compiler()
     if cxx is None:
-        raise BuildError("no C++ compiler found (set CXX, or install g++)")
+        wanted = os.environ.get("CXX")
+        if wanted:
+            raise BuildError(f"$CXX ({wanted}) is not a compiler on PATH; set CXX to one")
+        raise BuildError("no C++ compiler found (install g++, or set CXX to one)")
     command = _command(cxx)
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), torch.__version__, _version(cxx), *command]).encode()
@@ -136,12 +139,16 @@ def build(folder: Path) -> Path:
 
 
 def _command(cxx: str) -> list[str]:
-    from torch.utils import cpp_extension
-
+    # torch's wheel ships its headers and libraries beside its Python files; read directly, as
+    # torch.utils.cpp_extension would (which imports setuptools, absent from some venvs)
+    root = Path(torch.__file__).resolve().parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    libraries = cpp_extension.library_paths()
-    links = [f"-L{path}" for path in libraries] + [f"-Wl,-rpath,{path}" for path in libraries]
+    includes = [
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+    ]
+    library = root / "lib"
+    links = [f"-L{library}", f"-Wl,-rpath,{library}"]
     # the libraries after the source: linkers drop those named before what uses them
     return [
         cxx,

@@ -5,12 +5,13 @@ calling a registered C++ executor with DLPack tensors. The executor (`aten_execu
 the operator in torch's dispatcher and calls it: about 15 us a node, against 0.1 to 0.2 ms for
 a `PythonOp` (`torch_nodes`), whose round trip through Python, ctypes and autograd costs more than
 the small gradient kernels it replaces. It has no autograd, so it serves nodes of the backward
-pass, which ORT differentiated already (`torch_ops.gradients_in_torch`).
+pass, which ORT differentiated already (`gradient_nodes`).
 
 The executor is compiled on first use with the machine's C++ compiler against the torch in the
 running interpreter (about 15 s, once) and cached by the hash of its source, torch's version and
 the compiler; concurrent processes (DDP ranks) wait for one build. Without a compiler, or with
-`compile=False`, `executor()` says why and torch-calling nodes go through Python instead.
+no folder (the engine's `compile_executor=False`), `executor()` says why and the gradient nodes
+go through Python instead.
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ def executor(folder: Path | None) -> str | None:
             )
         except Exception as exc:  # whatever stops it, training goes on through Python
             _failure = f"the ATen executor could not be built: {str(exc)[-600:]}"
-            log.warning("%s; torch-calling gradient nodes go through Python (slower)", _failure)
+            log.warning(
+                "%s; torch-calling gradient nodes go through Python (slower; "
+                "--no-compile-executor stops the attempt)",
+                _failure,
+            )
             return _failure
         _library, _registered = library, path
         log.debug("ATen executor: %s", path)

@@ -70,12 +70,12 @@ def _engine(
     threads: int,
     torch_ops: tuple[str, ...] = (),
     static_after: int | None = None,
-    options_: dict[str, Any] | None = None,
+    engine_options: dict[str, Any] | None = None,
     **settings: Any,
 ):
     from ort_autopatch.engine import EngineOptions, ModuleEngine
 
-    options = EngineOptions(threads=threads, torch_ops=torch_ops, **(options_ or {}))
+    options = EngineOptions(threads=threads, torch_ops=torch_ops, **(engine_options or {}))
     if static_after is not None:
         options = dataclasses.replace(options, static_after=static_after)
     engine = ModuleEngine(model, options=options)
@@ -300,10 +300,10 @@ def gradient_node_overhead(steps: int) -> dict[str, Any]:
         _relu_mlp,
         {
             "ORT ReluGrad": lambda m: _engine(
-                m, 1, options_={"no_torch_ops": ("aten::threshold_backward",)}
+                m, 1, engine_options={"no_torch_ops": ("aten::threshold_backward",)}
             ),
             "ATen node": lambda m: _engine(m, 1),
-            "PythonOp node": lambda m: _engine(m, 1, options_={"compile_executor": False}),
+            "PythonOp node": lambda m: _engine(m, 1, engine_options={"compile_executor": False}),
         },
         steps,
     )

@@ -864,6 +864,18 @@ def test_a_small_relus_gradient_stays_in_onnx(compiled: bool) -> None:
     assert _torch_nodes(engine) == {}
 
 
+def test_a_graph_without_a_large_enough_gradient_node_never_asks_for_the_executor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ort_autopatch.engine import aten_nodes
+
+    asked: list[object] = []
+    monkeypatch.setattr(aten_nodes, "executor", lambda folder: asked.append(folder))
+    engine = ModuleEngine(WideFeedForward())
+    engine(torch.randn(2, 32)).sum().backward()  # 512 floats behind the ReLU
+    assert asked == [] and _torch_nodes(engine) == {}
+
+
 def test_a_large_relus_gradient_through_python_without_the_executor() -> None:
     # compile_executor=False: the same torch function, through a PythonOp
     torch.manual_seed(19)
@@ -922,6 +934,34 @@ def test_a_large_layer_norms_gradient_runs_in_torch_with_eager_numbers(norm: dic
     torch.manual_seed(22)
     run = assert_training_parity(Normed(**norm), _wide, steps=3, rtol=RTOL, atol=ATOL)
     assert _torch_nodes(run.engine) == {"aten::native_layer_norm_backward": 1}
+
+
+class NormedOverTwoDims(nn.Module):
+    """LayerNorm over the last two dimensions: the node's axis is -2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.norm = nn.LayerNorm([16, 64])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.up(x)))
+
+
+def test_a_layer_norm_over_two_dims_gets_its_gradient_in_torch_for_every_batch() -> None:
+    torch.manual_seed(26)
+    run = assert_training_parity(
+        NormedOverTwoDims(),
+        lambda s: ((torch.randn(8 + 3 * s, 16, 32, generator=_gen(s)),), {}),
+        steps=3,
+        rtol=RTOL,
+        atol=ATOL,
+        options=EngineOptions(static_after=0),
+    )
+    assert _torch_nodes(run.engine) == {
+        "aten::threshold_backward": 1,
+        "aten::native_layer_norm_backward": 1,
+    }
 
 
 def test_gradient_nodes_orts_session_refuses_fall_back_to_orts_kernels(

@@ -13,7 +13,6 @@
 #include <ATen/DLConvertor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/library.h>
 
 #include <mutex>
 #include <optional>
@@ -129,26 +128,7 @@ c10::IValue Read(const Argument& argument, DLManagedTensor* dlpack) {
   return c10::IValue();
 }
 
-// ORT's general matrix product (Gemm) as torch computes `linear` and its gradients: the
-// transposes are strided views, as eager's are, so torch's BLAS reads them in place.
-at::Tensor Gemm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& c, int64_t trans_a,
-                int64_t trans_b, double alpha, double beta) {
-  at::Tensor left = trans_a ? a.t() : a;
-  at::Tensor right = trans_b ? b.t() : b;
-  if (c.has_value() && c->defined() && beta != 0.0) {
-    return at::addmm(*c, left, right, beta, alpha);
-  }
-  at::Tensor product = at::mm(left, right);
-  return alpha == 1.0 ? product : product.mul_(alpha);
-}
-
 }  // namespace
-
-TORCH_LIBRARY(ort_autopatch, m) {
-  m.def("gemm(Tensor a, Tensor b, Tensor? c, int trans_a, int trans_b, float alpha, float beta) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ort_autopatch, CompositeExplicitAutograd, m) { m.impl("gemm", &Gemm); }
 
 extern "C" {
 

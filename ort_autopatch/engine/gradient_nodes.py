@@ -61,6 +61,11 @@ def _layer_norm_backward(
     return result
 
 
+#: An ATen node's form: the nodes computing arguments first, and its arguments in the
+#: operator's order (node inputs, or constants made as initializers).
+_AtenForm = tuple[list[Any], list[str]]
+
+
 @dataclass(frozen=True)
 class _Binding:
     """How one gradient node calls torch."""
@@ -68,49 +73,55 @@ class _Binding:
     python: Callable[..., Any]  # the PythonOp's callable, on the node's inputs
     input_ranks: list[int]  # the PythonOp's declared ranks (-1: unknown)
     output_ranks: list[int]
-    # the ATen node's arguments in the operator's order: a node input by position, or a
-    # constant (an ONNX initializer's value); and nodes computing arguments first
-    aten_arguments: list[int | str]
-    aten_prelude: list[Any]
+    aten: Callable[[Any, _Constants], _AtenForm]  # the ATen node's, from the node
 
 
-def _bind_relu(node: Any, rank: int, make: _Constants) -> _Binding | None:
+def _aten_relu(node: Any, make: _Constants) -> _AtenForm:
+    # threshold_backward(grad_output, self, threshold)
+    return [], [node.input[0], node.input[1], make.float(0.0)]
+
+
+def _bind_relu(node: Any, rank: int) -> _Binding | None:
     if len(node.input) != 2:  # (incoming gradient, the ReLU's output)
         return None
-    return _Binding(_relu_backward, [rank, rank], [rank], [0, 1, make.float(0.0)], [])
+    return _Binding(_relu_backward, [rank, rank], [rank], _aten_relu)
 
 
-def _bind_layer_norm(node: Any, rank: int, make: _Constants) -> _Binding | None:
+def _aten_layer_norm(node: Any, make: _Constants, *, axis: int) -> _AtenForm:
     from onnx import helper
 
+    grad, x, scale, mean, rstd = node.input
+    # native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
+    # output_mask); the bias only asks for its gradient. The normalized shape is x's trailing
+    # dimensions, read at run time (dynamic graphs; Slice, as opset 14's Shape takes no start)
+    prefix = node.name or node.output[0]
+    shape, normalized = f"{prefix}__shape", f"{prefix}__normalized_shape"
+    prelude = [
+        helper.make_node("Shape", [x], [shape]),
+        helper.make_node(
+            "Slice", [shape, make.ints([axis]), make.ints([_TO_THE_END])], [normalized]
+        ),
+    ]
+    return prelude, [grad, x, normalized, mean, rstd, scale, scale, make.ints([1, 1, 1])]
+
+
+def _bind_layer_norm(node: Any, rank: int) -> _Binding | None:
     if len(node.input) != 5:  # (incoming gradient, x, scale, mean, inverse std)
         return None
     axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
     if axis >= 0 and rank < 0:
         return None  # how many dimensions it normalises is unknown
     normalized = -axis if axis < 0 else rank - axis
-    prefix = node.name or node.output[0]
-    # torch's (grad, input, normalized_shape, mean, rstd, weight, bias, output_mask); the
-    # normalized shape is x's trailing dimensions, read at run time (dynamic graphs; Slice, as
-    # opset 14's Shape takes no start)
-    shape = [f"{prefix}__shape", f"{prefix}__normalized_shape"]
-    prelude = [
-        helper.make_node("Shape", [node.input[1]], shape[:1]),
-        helper.make_node(
-            "Slice", [shape[0], make.ints([axis]), make.ints([_TO_THE_END])], shape[1:]
-        ),
-    ]
     return _Binding(
         functools.partial(_layer_norm_backward, axis=axis),
         [rank, rank, normalized, rank, rank],
         [rank, normalized, normalized],
-        [0, 1, shape[1], 3, 4, 2, 2, make.ints([1, 1, 1])],
-        prelude,
+        functools.partial(_aten_layer_norm, axis=axis),
     )
 
 
 #: ORT gradient operators replaced, with the torch operator each calls and its binding.
-GRADIENTS_IN_TORCH: dict[str, tuple[str, Callable[[Any, int, _Constants], _Binding | None]]] = {
+GRADIENTS_IN_TORCH: dict[str, tuple[str, Callable[[Any, int], _Binding | None]]] = {
     "ReluGrad": ("aten::threshold_backward", _bind_relu),
     "LayerNormalizationGrad": ("aten::native_layer_norm_backward", _bind_layer_norm),
 }
@@ -141,19 +152,15 @@ class _Constants:
         return name
 
 
-def wants_torch(gradient_model: bytes) -> bool:
-    """Whether the graph has a node `gradients_in_torch` may replace (cheap: no parsing)."""
-    return any(op.encode() in gradient_model for op in GRADIENTS_IN_TORCH)
-
-
 def gradients_in_torch(
     gradient_model: bytes,
     input_shapes: dict[str, tuple[int, ...]],
     may_route: Callable[[str], bool],
-    aten: bool,
+    aten: Callable[[], bool],
 ) -> bytes:
     """The gradient graph with its `GRADIENTS_IN_TORCH` nodes calling torch: as `ATen` nodes
-    when `aten` (the executor is registered), else as `PythonOp`s.
+    when `aten()` (the executor is registered; asked only once a node is large enough for one,
+    so a graph that has none never compiles it), else as `PythonOp`s.
 
     A node is replaced when its input is large enough to pay for the call, judged by its size
     for the call being built (`input_shapes`, the graph inputs' shapes), as the trace judges
@@ -165,8 +172,8 @@ def gradients_in_torch(
     import onnx
     from onnx import TensorProto
 
-    if not wants_torch(gradient_model):
-        return gradient_model
+    if not any(op.encode() in gradient_model for op in GRADIENTS_IN_TORCH):
+        return gradient_model  # no parsing for a graph without them
     model = onnx.load_from_string(gradient_model)
     shaped = onnx.ModelProto()
     shaped.CopyFrom(model)
@@ -193,6 +200,7 @@ def gradients_in_torch(
     declared = {v.name for v in model.graph.value_info}
     typed: list[Any] = []  # value_info the ATen nodes' outputs need (ORT cannot infer them)
     swapped = 0
+    executor: bool | None = None  # aten(), once asked
     nodes = []
     for node in model.graph.node:
         route = GRADIENTS_IN_TORCH.get(node.op_type) if node.domain == torch_nodes.DOMAIN else None
@@ -207,11 +215,13 @@ def gradients_in_torch(
             rank = len(dims)
             if all(d.HasField("dim_value") for d in dims):
                 numel = math.prod(d.dim_value for d in dims)
-        binding = bind(node, rank, constants)
-        if binding is None or numel < (ATEN_FROM if aten else PYTHON_FROM):
+        if numel < ATEN_FROM or not may_route(label):
             nodes.append(node)
             continue
-        if not may_route(label):
+        if executor is None:
+            executor = aten()
+        binding = bind(node, rank) if executor or numel >= PYTHON_FROM else None
+        if binding is None:
             nodes.append(node)
             continue
         outputs = []
@@ -223,9 +233,9 @@ def gradients_in_torch(
                     name += "_"
                 taken.add(name)
             outputs.append(name)
-        if aten:
-            nodes.extend(binding.aten_prelude)
-            arguments = [node.input[a] if isinstance(a, int) else a for a in binding.aten_arguments]
+        if executor:
+            prelude, arguments = binding.aten(node, constants)
+            nodes.extend(prelude)
             nodes.append(aten_nodes.node(label, arguments, outputs, f"{node.name}__aten"))
             typed.extend(
                 _float_info(name, rank)
@@ -241,7 +251,7 @@ def gradients_in_torch(
     model.graph.node.extend(nodes)
     model.graph.initializer.extend(constants.made.values())
     model.graph.value_info.extend(typed)
-    if aten and not any(o.domain == aten_nodes.DOMAIN for o in model.opset_import):
+    if executor and not any(o.domain == aten_nodes.DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(aten_nodes.DOMAIN, 1))
     return model.SerializeToString()
 

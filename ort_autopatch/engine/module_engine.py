@@ -846,12 +846,15 @@ class ModuleEngine:
             for name, (kind, where) in feed_sources.items()
             if kind == "input"
         }
-        aten = False
-        if gradient_nodes.wants_torch(gradient.model):
+
+        def aten() -> bool:
             folder = aten_nodes.default_folder() if self.options.compile_executor else None
             progress.phase = "compiling the ATen executor, once per torch version"
-            aten = aten_nodes.executor(folder) is None
-            progress.phase = "session"
+            try:
+                return aten_nodes.executor(folder) is None
+            finally:
+                progress.phase = "session"
+
         model = gradient_nodes.gradients_in_torch(gradient.model, shapes, self._may_route, aten)
         return None if model is gradient.model else dataclasses.replace(gradient, model=model)
 

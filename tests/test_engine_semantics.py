@@ -483,6 +483,84 @@ def test_replaced_parameter_is_picked_up() -> None:
     assert_close(ours.fc.weight.grad, eager.fc.weight.grad, "grad of the new fc.weight")
 
 
+def _twin_steps(eager: nn.Module, ours: nn.Module, engine: ModuleEngine, what: str) -> None:
+    """One training call and one no-grad eval call on both twins, outputs and grads compared."""
+    x = torch.randn(4, 8)
+    for p in (*eager.parameters(), *ours.parameters()):
+        p.grad = None
+    expected, actual = eager(x), engine(x)
+    assert_close(actual, expected, f"output {what}")
+    expected.sum().backward()
+    actual.sum().backward()
+    for (name, pe), po in zip(eager.named_parameters(), ours.parameters(), strict=True):
+        assert_close(po.grad, pe.grad, f"grad of {name} {what}")
+    eager.eval(), ours.eval()
+    with torch.no_grad():
+        assert_close(engine(x), eager(x), f"eval output {what}")
+    eager.train(), ours.train()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda p, new: setattr(p, "data", new), id="data-assigned"),
+        pytest.param(lambda p, new: p.set_(new), id="set-to-other-storage"),
+        pytest.param(lambda p, new: p.data.copy_(new), id="copied-in-place"),
+        # the same memory read with other strides: the address alone cannot tell
+        pytest.param(
+            lambda p, new: setattr(p, "data", p.data.as_strided(p.shape, (1, p.shape[0]))),
+            id="same-memory-other-strides",
+        ),
+    ],
+)
+def test_parameter_memory_changed_between_calls_is_read(change) -> None:
+    """ORT's views of parameters are kept from call to call (`bridge.KeptValues`); any change
+    of what a parameter holds, through new memory or in place, is what the next call reads."""
+    torch.manual_seed(0)
+    eager, ours, engine = _pair(Net())
+    for _ in range(3):
+        _twin_steps(eager, ours, engine, "before")
+    new = torch.randn(16, 8)
+    with torch.no_grad():
+        change(eager.fc.weight, new.clone())
+        change(ours.fc.weight, new.clone())
+    _twin_steps(eager, ours, engine, "after the change")
+    assert engine.builds == 2  # the change rebuilt nothing (one training, one eval graph)
+
+
+def test_buffer_assigned_between_calls_is_read() -> None:
+    torch.manual_seed(0)
+    eager, ours, engine = _pair(BNDrop(p=0.0))
+    x = torch.randn(6, 8)
+    eager.eval(), ours.eval()
+    with torch.no_grad():
+        engine(x)
+        mean = torch.randn(16)
+        eager.bn.running_mean.data = mean.clone()
+        ours.bn.running_mean.data = mean.clone()
+        assert_close(engine(x), eager(x), "output after running_mean.data was assigned")
+
+
+def test_parameters_are_wrapped_for_ort_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first call only the call's own inputs are wrapped (DLPack) for ORT."""
+    from ort_autopatch.engine import bridge
+
+    engine = ModuleEngine(Net())
+    x = torch.randn(4, 8)
+    engine(x).sum().backward()
+    wrapped: list[torch.Tensor] = []
+    real = bridge.to_dlpack
+
+    def counting(tensor: torch.Tensor) -> object:
+        wrapped.append(tensor)
+        return real(tensor)
+
+    monkeypatch.setattr(bridge, "to_dlpack", counting)
+    engine(x).sum().backward()
+    # forward: the input; backward: the output's gradient
+    assert [tuple(t.shape) for t in wrapped] == [(4, 8), (4, 4)]
+
+
 def test_replaced_submodule_is_picked_up() -> None:
     torch.manual_seed(0)
     eager, ours, engine = _pair(Net())

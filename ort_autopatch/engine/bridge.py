@@ -52,23 +52,74 @@ class Step:
     seeds_dropout: bool
 
 
-def _push(tensors: Sequence[torch.Tensor]) -> Any:
+class KeptValues:
+    """ORT's views (OrtValues) of a graph's parameter and buffer feeds, kept from call to call.
+
+    Wrapping a tensor for ORT (detach, DLPack capsule, ORT's value) costs about 2.5 us, which
+    every parameter paid on every call. A kept value serves again only while its tensor still
+    describes exactly the memory it was made from (address, shape, strides, dtype): the value
+    holds that memory alive, so no other tensor can own the address meanwhile, and in-place
+    updates (an optimizer step) are read as they are. Assigning `param.data` gives new memory,
+    and so a new value; until the next call the old memory stays held by the old value.
+    """
+
+    __slots__ = ("_positions", "_values")
+
+    def __init__(self, positions: Sequence[int]) -> None:
+        self._positions = frozenset(positions)  # feed positions holding module tensors
+        self._values: dict[int, tuple[int, torch.Size, tuple[int, ...], torch.dtype, Any]] = {}
+
+    def take(self, position: int, tensor: torch.Tensor) -> Any:
+        """The kept value for this feed, or None when it must be (re)made."""
+        kept = self._values.get(position)
+        if (
+            kept is not None
+            and kept[0] == tensor.data_ptr()
+            and kept[1] == tensor.shape
+            and kept[2] == tensor.stride()
+            and kept[3] is tensor.dtype
+        ):
+            return kept[4]
+        return None
+
+    def keep(self, position: int, tensor: torch.Tensor, value: Any) -> None:
+        if position in self._positions and tensor.numel() > 0:
+            self._values[position] = (
+                tensor.data_ptr(),
+                tensor.shape,
+                tensor.stride(),
+                tensor.dtype,
+                value,
+            )
+
+
+def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> Any:
     _, capi = runtime.load()
     vector = capi.OrtValueVector()
     vector.reserve(len(tensors))
-    for tensor in tensors:
+    for k, tensor in enumerate(tensors):
+        if kept is not None:
+            value = kept.take(k, tensor)
+            if value is not None:
+                vector.push_back(value)
+                continue
         t = tensor.detach()
+        copied = False
         if not t.is_contiguous():
-            t = t.contiguous()
+            t, copied = t.contiguous(), True
         elif (t.numel() == 0 or 1 in t.shape) and t.stride() != _strides(t.shape):
             # PyTorch calls these contiguous whatever their strides (an empty batch's
             # gradient, size-1 dims); ORT's DLPack reader wants the canonical ones.
-            t = t.clone(memory_format=torch.contiguous_format)
-        if t.dtype is torch.bool:
-            # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
-            vector.push_back(to_dlpack(t.view(torch.uint8)), True)
-        else:
-            vector.push_back(to_dlpack(t), False)
+            t, copied = t.clone(memory_format=torch.contiguous_format), True
+        # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
+        is_bool = t.dtype is torch.bool
+        capsule = to_dlpack(t.view(torch.uint8) if is_bool else t)
+        if kept is None or copied:
+            vector.push_back(capsule, is_bool)
+            continue
+        value = capi.OrtValue.from_dlpack(capsule, is_bool)
+        kept.keep(k, tensor, value)
+        vector.push_back(value)
     return vector
 
 
@@ -130,7 +181,10 @@ def _post_forward(step: Step, outputs: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 def run_inference(
-    program: InferenceProgram, step: Step, feeds: Sequence[torch.Tensor]
+    program: InferenceProgram,
+    step: Step,
+    feeds: Sequence[torch.Tensor],
+    kept: KeptValues | None = None,
 ) -> list[torch.Tensor]:
     if step.seeds_dropout:
         _seed_dropout()
@@ -140,7 +194,7 @@ def run_inference(
             program.session._sess.run_with_ortvaluevector(
                 program.run_options,
                 program.feed_names,
-                _push(feeds),
+                _push(feeds, kept),
                 program.fetch_names,
                 fetches,
                 program.fetch_devices,
@@ -172,7 +226,10 @@ def _failure(step: Step, phase: str, exc: BaseException) -> ExecutionError:
 
 
 def _run_forward(
-    program: TrainingProgram, step: Step, feeds: Sequence[torch.Tensor]
+    program: TrainingProgram,
+    step: Step,
+    feeds: Sequence[torch.Tensor],
+    kept: KeptValues | None = None,
 ) -> tuple[Any, list[torch.Tensor], list[torch_nodes.Context]]:
     """ORT's forward: its execution state (what backward needs), every output, and the contexts
     of its torch-calling nodes (their torch graphs, kept for backward)."""
@@ -182,13 +239,13 @@ def _run_forward(
     if not program.python_nodes and program.stream is None:
         # nothing to collect or order (the common CPU graph): the same run, a few us cheaper
         try:
-            program.agent.run_forward(_push(feeds), outputs_vector, state, None)
+            program.agent.run_forward(_push(feeds, kept), outputs_vector, state, None)
         except Exception as exc:
             raise _failure(step, "forward", exc) from exc
         return state, _tensors(outputs_vector), []
     try:
         with torch_nodes.collecting() as contexts, on_stream(program.stream) as caller:
-            program.agent.run_forward(_push(feeds), outputs_vector, state, None)
+            program.agent.run_forward(_push(feeds, kept), outputs_vector, state, None)
     except Exception as exc:
         torch_nodes.release(contexts)
         raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
@@ -251,11 +308,12 @@ class TrainingCall(torch.autograd.Function):
         program: TrainingProgram,
         step: Step,
         saved: tuple[int, ...],
+        kept: KeptValues | None,
         *feeds: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         if step.seeds_dropout:
             _seed_dropout()
-        state, outputs, contexts = _run_forward(program, step, feeds)
+        state, outputs, contexts = _run_forward(program, step, feeds, kept)
         ctx.program = program
         ctx.step = step
         ctx.run = _RunState(state, _output_info(outputs))
@@ -277,7 +335,13 @@ class TrainingCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         _ = ctx.saved_tensors
-        return (None, None, None, *_run_backward(ctx.program, ctx.step, ctx.run, grad_outputs))
+        return (
+            None,
+            None,
+            None,
+            None,
+            *_run_backward(ctx.program, ctx.step, ctx.run, grad_outputs),
+        )
 
 
 class RecomputingTrainingCall(torch.autograd.Function):
@@ -297,6 +361,7 @@ class RecomputingTrainingCall(torch.autograd.Function):
         program: TrainingProgram,
         step: Step,
         saved: tuple[int, ...],
+        kept: KeptValues | None,  # unused: these parameters get new memory between calls
         *feeds: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         seed = _seed_dropout() if step.seeds_dropout else None
@@ -325,4 +390,4 @@ class RecomputingTrainingCall(torch.autograd.Function):
             grads = _run_backward(program, ctx.step, run, grad_outputs)
         finally:
             torch_nodes.release(contexts)
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)

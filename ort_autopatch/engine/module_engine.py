@@ -129,6 +129,10 @@ class _Entry:
     # the gradient graph the session runs when it is not the recipe's (`_for_device`)
     gradient: session.GradientGraph | None = None
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
+    kept: bridge.KeptValues = field(init=False)  # ORT's values of the module's tensors
+
+    def __post_init__(self) -> None:
+        self.kept = bridge.KeptValues([k for k, (user, _) in enumerate(self.feeds) if not user])
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
@@ -138,9 +142,9 @@ class _Entry:
         try:
             if self.training:
                 function = bridge.RecomputingTrainingCall if recompute else bridge.TrainingCall
-                outputs = function.apply(self.program, self.step, self.saved, *feeds)
+                outputs = function.apply(self.program, self.step, self.saved, self.kept, *feeds)
             else:
-                outputs = bridge.run_inference(self.program, self.step, feeds)
+                outputs = bridge.run_inference(self.program, self.step, feeds, self.kept)
         except ExecutionError as exc:
             if before is None or call.shapes() == self.recipe.traced_shapes:
                 raise  # a failure of the graph itself, not of sizes it was not traced for

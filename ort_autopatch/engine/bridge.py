@@ -56,11 +56,11 @@ class KeptValues:
     """ORT's views (OrtValues) of a graph's parameter and buffer feeds, kept from call to call.
 
     Wrapping a tensor for ORT (detach, DLPack capsule, ORT's value) costs about 2.5 us, which
-    every parameter paid on every call. A kept value serves again only while its tensor still
-    describes exactly the memory it was made from (address, shape, strides, dtype): the value
-    holds that memory alive, so no other tensor can own the address meanwhile, and in-place
-    updates (an optimizer step) are read as they are. Assigning `param.data` gives new memory,
-    and so a new value; until the next call the old memory stays held by the old value.
+    every parameter paid on every call. A kept value serves again only while the tensor fed
+    now lies at the address it was made from with the same shape, strides and dtype: it then
+    describes exactly that tensor's live memory, so in-place updates (an optimizer step) are
+    read as they are, and `param.data = ...`, `set_` or a view with other strides gets a new
+    value. Until then the old value holds the old tensor (its memory stays allocated).
     """
 
     __slots__ = ("_positions", "_values")

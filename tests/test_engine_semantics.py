@@ -483,20 +483,22 @@ def test_replaced_parameter_is_picked_up() -> None:
     assert_close(ours.fc.weight.grad, eager.fc.weight.grad, "grad of the new fc.weight")
 
 
-def _twin_steps(eager: nn.Module, ours: nn.Module, engine: ModuleEngine, what: str) -> None:
+def _twin_steps(
+    eager: nn.Module, ours: nn.Module, engine: ModuleEngine, what: str, batch: int = 4
+) -> None:
     """One training call and one no-grad eval call on both twins, outputs and grads compared."""
-    x = torch.randn(4, 8)
+    x = torch.randn(batch, 8)
     for p in (*eager.parameters(), *ours.parameters()):
         p.grad = None
     expected, actual = eager(x), engine(x)
-    assert_close(actual, expected, f"output {what}")
+    assert_close(actual, expected, f"output {what} (batch {batch})")
     expected.sum().backward()
     actual.sum().backward()
     for (name, pe), po in zip(eager.named_parameters(), ours.parameters(), strict=True):
-        assert_close(po.grad, pe.grad, f"grad of {name} {what}")
+        assert_close(po.grad, pe.grad, f"grad of {name} {what} (batch {batch})")
     eager.eval(), ours.eval()
     with torch.no_grad():
-        assert_close(engine(x), eager(x), f"eval output {what}")
+        assert_close(engine(x), eager(x), f"eval output {what} (batch {batch})")
     eager.train(), ours.train()
 
 
@@ -514,18 +516,59 @@ def _twin_steps(eager: nn.Module, ours: nn.Module, engine: ModuleEngine, what: s
     ],
 )
 def test_parameter_memory_changed_between_calls_is_read(change) -> None:
-    """ORT's views of parameters are kept from call to call (`bridge.KeptValues`); any change
-    of what a parameter holds, through new memory or in place, is what the next call reads."""
+    """ORT's views of parameters are kept from call to call (`bridge.KeptValues`), by each
+    graph: any change of what a parameter holds, through new memory or in place, is what the
+    next call of every graph reads (the static-shape graph batch 4 earned, the dynamic graph
+    serving batch 6, and the eval graph)."""
     torch.manual_seed(0)
     eager, ours, engine = _pair(Net())
-    for _ in range(3):
+    for _ in range(10):  # batch 4 earns its static-shape graph after 8 calls
         _twin_steps(eager, ours, engine, "before")
+    _twin_steps(eager, ours, engine, "before", batch=6)
+    assert [r.hot_shape for r in engine.records if r.training] == [False, True]
+    builds = engine.builds
     new = torch.randn(16, 8)
     with torch.no_grad():
         change(eager.fc.weight, new.clone())
         change(ours.fc.weight, new.clone())
-    _twin_steps(eager, ours, engine, "after the change")
-    assert engine.builds == 2  # the change rebuilt nothing (one training, one eval graph)
+    for batch in (4, 6, 4):
+        _twin_steps(eager, ours, engine, "after the change", batch=batch)
+    assert engine.builds == builds  # the change rebuilt nothing
+
+
+class Masked(nn.Module):
+    """A boolean buffer fed to the graph (bools cross to ORT as uint8 plus a flag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.rand(8) > 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).masked_fill(self.mask, 0.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda b: b.logical_not_(), id="flipped-in-place"),
+        pytest.param(lambda b: setattr(b, "data", ~b.data), id="data-assigned"),
+    ],
+)
+def test_boolean_buffer_changed_between_calls_is_read(change) -> None:
+    torch.manual_seed(0)
+    eager, ours, engine = _pair(Masked())
+    for step in range(4):
+        x = torch.randn(3 + step, 8)
+        expected, actual = eager(x), engine(x)
+        assert_close(actual, expected, f"output at step {step}")
+        expected.sum().backward()
+        actual.sum().backward()
+        assert_close(ours.fc.weight.grad, eager.fc.weight.grad, f"weight grad at step {step}")
+        with torch.no_grad():
+            change(eager.mask)
+            change(ours.mask)
+    assert engine.builds == 1
 
 
 def test_buffer_assigned_between_calls_is_read() -> None:

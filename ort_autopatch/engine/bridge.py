@@ -69,6 +69,10 @@ class KeptValues:
         self._positions = frozenset(positions)  # feed positions holding module tensors
         self._values: dict[int, tuple[int, torch.Size, tuple[int, ...], torch.dtype, Any]] = {}
 
+    def holds(self, position: int) -> bool:
+        """Whether this feed is a module tensor (the call's own inputs are never kept)."""
+        return position in self._positions
+
     def take(self, position: int, tensor: torch.Tensor) -> Any:
         """The kept value for this feed, or None when it must be (re)made."""
         kept = self._values.get(position)
@@ -83,7 +87,7 @@ class KeptValues:
         return None
 
     def keep(self, position: int, tensor: torch.Tensor, value: Any) -> None:
-        if position in self._positions and tensor.numel() > 0:
+        if tensor.numel() > 0:  # an empty tensor's address says nothing
             self._values[position] = (
                 tensor.data_ptr(),
                 tensor.shape,
@@ -98,27 +102,27 @@ def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> An
     vector = capi.OrtValueVector()
     vector.reserve(len(tensors))
     for k, tensor in enumerate(tensors):
-        if kept is not None:
-            value = kept.take(k, tensor)
+        keeper = kept if kept is not None and kept.holds(k) else None
+        if keeper is not None:
+            value = keeper.take(k, tensor)
             if value is not None:
                 vector.push_back(value)
                 continue
         t = tensor.detach()
-        copied = False
         if not t.is_contiguous():
-            t, copied = t.contiguous(), True
+            t, keeper = t.contiguous(), None  # a copy: the next call makes its own
         elif (t.numel() == 0 or 1 in t.shape) and t.stride() != _strides(t.shape):
             # PyTorch calls these contiguous whatever their strides (an empty batch's
             # gradient, size-1 dims); ORT's DLPack reader wants the canonical ones.
-            t, copied = t.clone(memory_format=torch.contiguous_format), True
+            t, keeper = t.clone(memory_format=torch.contiguous_format), None
         # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
         is_bool = t.dtype is torch.bool
         capsule = to_dlpack(t.view(torch.uint8) if is_bool else t)
-        if kept is None or copied:
+        if keeper is None:
             vector.push_back(capsule, is_bool)
             continue
         value = capi.OrtValue.from_dlpack(capsule, is_bool)
-        kept.keep(k, tensor, value)
+        keeper.keep(k, tensor, value)
         vector.push_back(value)
     return vector
 

@@ -9,7 +9,7 @@ For the TransformerEncoderLayer of bench_engine.py (d 256, 4 heads, ff 1024, x 1
    times against the run's wall time shows the executor's own cost.
 2. The ORT session settings, each changed alone against the engine's defaults, every variant's
    steps interleaved with eager's in one process (median ratio): intra-op threads, spinning,
-   execution mode, graph optimisation level, the CPU memory arena, and
+   execution mode, graph optimisation level, the shared CPU memory arena (off), and
    `scaled_dot_product_attention` as a torch-calling node (torch's fused CPU kernel) instead of
    the ONNX MatMul/Softmax path. Which operators each optimisation level leaves in the graph
    (the fusions it applied) comes from the profile of two steps per level.
@@ -234,7 +234,7 @@ def settings_sweep(threads: int, steps: int) -> dict[str, dict[str, Any]]:
         "parallel execution": lambda m: _engine(m, threads, parallel=True),
         "optimization basic": lambda m: _engine(m, threads, optimization="basic"),
         "optimization extended": lambda m: _engine(m, threads, optimization="extended"),
-        "memory arena": lambda m: _engine(m, threads, arena=True),
+        "no memory arena": lambda m: _engine(m, threads, engine_options={"memory_arena": False}),
         "sdpa as torch node": lambda m: _engine(
             m, threads, torch_ops=("aten::scaled_dot_product_attention",)
         ),

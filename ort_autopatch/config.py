@@ -447,6 +447,19 @@ class Config:
         "(about 15 s) and cached in ~/.cache/ort_autopatch; off: through Python, slower",
     )
 
+    memory_arena: bool = option(
+        True,
+        env="ORT_AUTOPATCH_MEMORY_ARENA",
+        flag="--no-memory-arena",
+        flag_sets=False,
+        kind=Switch(),
+        engine=True,
+        help="on CPU, graphs built for an input shape that keeps coming back (static_after) "
+        "allocate from one ONNX Runtime arena shared by the process, which keeps each step's "
+        "buffers for the next (no page faults each step) and holds that memory until the "
+        "process exits; off: ORT's buffers are freed with each step's tensors",
+    )
+
     untested_torch: bool = option(
         False,
         env="ORT_AUTOPATCH_UNTESTED_TORCH",

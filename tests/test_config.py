@@ -587,6 +587,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         verify=2,
         static_after=0,
         compile_executor=False,
+        memory_arena=False,
     )
     flags: list[str] = []
     for opt in OPTIONS:

@@ -80,6 +80,8 @@ class EngineOptions:
     static_after: int = 8
     # gradient nodes may call torch through the compiled ATen executor (aten_nodes.py)
     compile_executor: bool = True
+    # graphs earned by a repeated shape allocate from the shared CPU arena (session.shared_arena)
+    memory_arena: bool = True
 
 
 @dataclass
@@ -480,7 +482,9 @@ class ModuleEngine:
                 stored = self._load(persisted, state)
                 if stored is not None:
                     progress.phase = "session"
-                    entry = self._instantiate(stored, state, call, device, progress)
+                    entry = self._instantiate(
+                        stored, state, call, device, progress, hot is not None
+                    )
                     self._record(
                         reason,
                         0.0,
@@ -494,7 +498,7 @@ class ModuleEngine:
                 module, state, call, grad, progress, static=shapes is not None
             )
             progress.phase = "session"
-            entry = self._instantiate(recipe, state, call, device, progress)
+            entry = self._instantiate(recipe, state, call, device, progress, hot is not None)
             self._record(
                 reason,
                 export_seconds,
@@ -767,8 +771,14 @@ class ModuleEngine:
         call: signature.FlatCall,
         device: torch.device,
         progress: _Progress,
+        repeated: bool,
     ) -> _Entry:
-        """Sessions for a recipe, bound to this module's tensors."""
+        """Sessions for a recipe, bound to this module's tensors; a graph earned by a repeated
+        shape (`repeated`) allocates from the shared arena (`memory_arena`), as its steps
+        repeat their sizes."""
+        settings = self.settings
+        if repeated and self.options.memory_arena and not settings.arena:
+            settings = dataclasses.replace(settings, arena=True)
 
         def locate(name: str) -> tuple[bool, int]:
             kind, where = recipe.feed_sources[name]
@@ -796,7 +806,7 @@ class ModuleEngine:
                 # ORT's optimised graph would name this process's callables: never stored
                 try:
                     program = session.build_training(
-                        swapped, device, self.settings, self._cls, None, False
+                        swapped, device, settings, self._cls, None, False
                     )
                 except SessionError as exc:
                     # ORT's own shape inference disagrees with the swapped nodes: its kernels
@@ -804,7 +814,7 @@ class ModuleEngine:
                     swapped = None
             if program is None:
                 program = session.build_training(
-                    recipe.gradient, device, self.settings, self._cls, recipe.optimized, capture
+                    recipe.gradient, device, settings, self._cls, recipe.optimized, capture
                 )
                 recipe.optimized = recipe.optimized or program.optimized
             feeds = [locate(n) for n in program.feed_names]
@@ -818,7 +828,7 @@ class ModuleEngine:
         program = session.build_inference(
             recipe.optimized or recipe.forward_model,
             device,
-            self.settings,
+            settings,
             self._cls,
             optimized=recipe.optimized is not None,
             capture=capture,

@@ -442,7 +442,7 @@ class Config:
         flag_sets=False,
         kind=Switch(),
         engine=True,
-        help="on CPU, ORT's slow ReLU and LayerNorm gradient nodes call torch's backward "
+        help="on CPU, ORT's slow ReLU, GELU and LayerNorm gradient nodes call torch's backward "
         "functions through a small C++ executor, compiled once with the machine's C++ compiler "
         "(about 15 s) and cached in ~/.cache/ort_autopatch; off: through Python, slower",
     )

@@ -66,6 +66,20 @@ def test_an_aten_node_reads_a_scalar_argument() -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("approximate", ["tanh", "none", None])
+def test_an_aten_node_reads_a_string_argument(approximate: str | None) -> None:
+    # gelu_backward(Tensor grad_output, Tensor self, *, str approximate="none"); None: absent
+    constants = {} if approximate is None else {"a": np.frombuffer(approximate.encode(), np.uint8)}
+    name = "" if approximate is None else "a"
+    node = aten_nodes.node("aten::gelu_backward", ["g", "x", name], ["out"], "gelu_grad")
+    session = _session([node], ["g", "x"], constants)
+    g, x = torch.randn(100), torch.randn(100)
+    (got,) = session.run(None, {"g": g.numpy(), "x": x.numpy()})  # type: ignore[attr-defined]
+    want = torch.ops.aten.gelu_backward(g, x, approximate=approximate or "none")
+    torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0)
+
+
+@needs_compiler
 def test_a_failing_operator_fails_the_run_with_torchs_message() -> None:
     node = aten_nodes.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
     session = _session([node], ["g", "y"], {"t": np.array(0.0, np.float32)})

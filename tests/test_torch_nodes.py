@@ -914,6 +914,58 @@ def test_the_relu_gradient_in_torch_can_be_denied() -> None:
     assert _torch_nodes(engine) == {}
 
 
+class GeluFeedForward(nn.Module):
+    """BERT's and nanoGPT's feed-forward block: exact (erf) GELU between two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.act = nn.GELU()
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["aten-node", "python-node"])
+def test_a_large_gelus_gradient_runs_in_torch_with_eager_numbers(compiled: bool) -> None:
+    torch.manual_seed(27)
+    run = assert_training_parity(
+        GeluFeedForward(),
+        _wide,
+        steps=3,
+        rtol=RTOL,
+        atol=ATOL,
+        options=EngineOptions(compile_executor=compiled),
+    )
+    assert _torch_nodes(run.engine) == {"aten::gelu_backward": 1}
+    import onnx
+
+    graphs = [entry.gradient.model for entry in run.engine._cache._entries.values()]
+    ops = [{n.op_type for n in onnx.load_from_string(g).graph.node} for g in graphs]
+    kind = "ATen" if compiled else "PythonOp"
+    assert ops and all(kind in o and "GeluGrad" not in o for o in ops)
+
+
+def test_the_gelu_gradient_in_torch_can_be_denied() -> None:
+    engine = ModuleEngine(GeluFeedForward(), EngineOptions(no_torch_ops=("aten::gelu_backward",)))
+    engine(_wide(0)[0][0]).sum().backward()
+    assert _torch_nodes(engine) == {}
+
+
+def test_a_tanh_approximated_gelu_keeps_its_own_gradient() -> None:
+    """Only ORT's exact Gelu becomes `gelu_backward(approximate="none")`."""
+
+    class TanhGelu(GeluFeedForward):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.GELU(approximate="tanh")
+
+    torch.manual_seed(28)
+    run = assert_training_parity(TanhGelu(), _wide, steps=2, rtol=RTOL, atol=ATOL)
+    assert "aten::gelu_backward" not in _torch_nodes(run.engine)
+
+
 class Normed(nn.Module):
     def __init__(self, **norm: bool) -> None:
         super().__init__()

@@ -23,7 +23,7 @@
 
 namespace {
 
-enum class Kind { Tensor, Int, Float, Bool, Scalar, IntList, FloatList, BoolList };
+enum class Kind { Tensor, Int, Float, Bool, Scalar, String, IntList, FloatList, BoolList };
 
 struct Argument {
   Kind kind;
@@ -50,6 +50,8 @@ Kind KindOf(const c10::TypePtr& type) {
       return Kind::Bool;
     case c10::TypeKind::NumberType:
       return Kind::Scalar;
+    case c10::TypeKind::StringType:
+      return Kind::String;
     case c10::TypeKind::ListType: {
       auto element = type->castRaw<c10::ListType>()->getElementType()->kind();
       if (element == c10::TypeKind::IntType || element == c10::TypeKind::SymIntType) {
@@ -108,6 +110,11 @@ c10::IValue Read(const Argument& argument, DLManagedTensor* dlpack) {
       return tensor.item<bool>();
     case Kind::Scalar:
       return tensor.item();
+    case Kind::String: {  // its UTF-8 bytes, as uint8
+      auto bytes = tensor.to(at::kByte).contiguous();
+      const char* data = reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>());
+      return std::string(data, data + bytes.numel());
+    }
     case Kind::IntList: {
       auto values = tensor.to(at::kLong).contiguous();
       return c10::List<int64_t>(

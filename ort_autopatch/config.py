@@ -454,7 +454,8 @@ class Config:
         flag_sets=False,
         kind=Switch(),
         engine=True,
-        help="on CPU, graphs built for an input shape that keeps coming back (static_after) "
+        help="on CPU, graphs built for one input shape (one that keeps coming back, see "
+        "static_after, or any shape of a model that specialises on sizes, e.g. pooling) "
         "allocate from one ONNX Runtime arena shared by the process, which keeps each step's "
         "buffers for the next (no page faults each step) and holds that memory until the "
         "process exits; off: ORT's buffers are freed with each step's tensors",

@@ -80,7 +80,7 @@ class EngineOptions:
     static_after: int = 8
     # gradient nodes may call torch through the compiled ATen executor (aten_nodes.py)
     compile_executor: bool = True
-    # graphs earned by a repeated shape allocate from the shared CPU arena (session.shared_arena)
+    # graphs serving one input shape allocate from the shared CPU arena (session.shared_arena)
     memory_arena: bool = True
 
 
@@ -483,7 +483,7 @@ class ModuleEngine:
                 if stored is not None:
                     progress.phase = "session"
                     entry = self._instantiate(
-                        stored, state, call, device, progress, hot is not None
+                        stored, state, call, device, progress, self._one_shape(hot)
                     )
                     self._record(
                         reason,
@@ -498,7 +498,7 @@ class ModuleEngine:
                 module, state, call, grad, progress, static=shapes is not None
             )
             progress.phase = "session"
-            entry = self._instantiate(recipe, state, call, device, progress, hot is not None)
+            entry = self._instantiate(recipe, state, call, device, progress, self._one_shape(hot))
             self._record(
                 reason,
                 export_seconds,
@@ -512,6 +512,12 @@ class ModuleEngine:
         shapes = call.shapes() if self._static_shapes else hot
         self._save(module, entry, state, call, grad, device, shapes, base_key=persisted)
         return entry
+
+    def _one_shape(self, hot: Shapes | None) -> bool:
+        """Whether the graph just built serves one input shape: earned by a shape that kept
+        coming back (`hot`), or one of a model that specialises on sizes (which the build
+        itself may have found out)."""
+        return hot is not None or self._static_shapes
 
     def _record(
         self,
@@ -771,13 +777,13 @@ class ModuleEngine:
         call: signature.FlatCall,
         device: torch.device,
         progress: _Progress,
-        repeated: bool,
+        one_shape: bool,
     ) -> _Entry:
-        """Sessions for a recipe, bound to this module's tensors; a graph earned by a repeated
-        shape (`repeated`) allocates from the shared arena (`memory_arena`), as its steps
-        repeat their sizes."""
+        """Sessions for a recipe, bound to this module's tensors; a graph that serves one input
+        shape (`_one_shape`) allocates from the shared arena (`memory_arena`), as its steps
+        ask for the same sizes every time."""
         settings = self.settings
-        if repeated and self.options.memory_arena and not settings.arena:
+        if one_shape and self.options.memory_arena and not settings.arena:
             settings = dataclasses.replace(settings, arena=True)
 
         def locate(name: str) -> tuple[bool, int]:

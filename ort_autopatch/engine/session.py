@@ -104,7 +104,7 @@ def shared_arena() -> bool:
     ms of a 70 ms nanoGPT step here). An arena keeps them for the next step. It is one arena
     for all such sessions, so it holds the largest set of buffers alive at once, not a sum
     over graphs; it keeps that memory for the process's lifetime, and extends by exactly
-    what is requested (not ORT's default doubling). Only graphs that serve one repeated shape
+    what is requested (not ORT's default doubling). Only graphs that serve one input shape
     use it: their steps request the same sizes each time, which an arena reuses exactly.
     """
     global _arena

@@ -121,6 +121,29 @@ def test_only_a_graph_earned_by_a_repeated_shape_allocates_from_the_shared_arena
     assert sorted(map(_uses_shared_arena, built)) == [False, False, arena, arena]
 
 
+@pytest.mark.parametrize("arena", [True, False])
+def test_every_graph_of_a_model_that_specialises_on_sizes_allocates_from_the_shared_arena(
+    arena: bool,
+) -> None:
+    from ort_autopatch.engine import ModuleEngine
+
+    class Pooled(torch.nn.Module):  # pooling gradients need static shapes: a graph per shape
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.max_pool2d(self.conv(x), 2)
+
+    gc.collect()
+    earlier = set(session._live)
+    engine = ModuleEngine(Pooled(), EngineOptions(memory_arena=arena))
+    for size in (8, 12):
+        engine(torch.randn(2, 1, size, size)).sum().backward()
+    built = [s for s in session._live if s not in earlier]
+    assert [_uses_shared_arena(s) for s in built] == [arena, arena]
+
+
 def test_outputs_and_gradients_from_the_shared_arena_outlive_their_model() -> None:
     """They are ORT's buffers handed to PyTorch: the arena must not reuse them while PyTorch
     holds them, even after the model, its engine and its sessions are gone."""

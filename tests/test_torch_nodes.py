@@ -939,12 +939,26 @@ def test_a_large_gelus_gradient_runs_in_torch_with_eager_numbers(compiled: bool)
         options=EngineOptions(compile_executor=compiled),
     )
     assert _torch_nodes(run.engine) == {"aten::gelu_backward": 1}
-    import onnx
-
     graphs = [entry.gradient.model for entry in run.engine._cache._entries.values()]
     ops = [{n.op_type for n in onnx.load_from_string(g).graph.node} for g in graphs]
     kind = "ATen" if compiled else "PythonOp"
     assert ops and all(kind in o and "GeluGrad" not in o for o in ops)
+
+
+def test_a_static_shape_graph_gets_the_gelu_gradient_in_torch_too() -> None:
+    # the graph a repeated shape earns (inferred shapes, the shared arena) swaps it as well
+    torch.manual_seed(29)
+    run = assert_training_parity(
+        GeluFeedForward(),
+        lambda s: ((torch.randn(72, 64, 32, generator=_gen(s)),), {}),
+        steps=3,
+        rtol=RTOL,
+        atol=ATOL,
+        options=EngineOptions(static_after=2),
+    )
+    dynamic, static = run.engine.records
+    assert (dynamic.hot_shape, static.hot_shape) == (False, True)
+    assert static.torch_nodes == {"aten::gelu_backward": 1}
 
 
 def test_the_gelu_gradient_in_torch_can_be_denied() -> None:

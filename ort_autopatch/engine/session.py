@@ -68,7 +68,7 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
     # A session's own CPU arena never gives memory back: tensors handed to PyTorch return to
     # it when PyTorch frees them, and with inputs of varying size it grows step after step (3
     # GiB a step with 1 GiB inputs). Plain allocations are freed when the step's tensors are;
-    # graphs that serve one repeated shape use the shared arena instead (`shared_arena`).
+    # graphs that serve one input shape use the shared arena instead (`shared_arena`).
     options.enable_cpu_mem_arena = False
     # Same seed, same numbers: ORT's kernels take their deterministic path, whatever
     # torch.use_deterministic_algorithms says (PyTorch's CPU kernels already are).
@@ -93,6 +93,7 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
 
 _arena_lock = threading.Lock()
 _arena: bool | None = None
+_SAME_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: extend by the request's size
 
 
 def shared_arena() -> bool:
@@ -123,9 +124,6 @@ def shared_arena() -> bool:
                 log.debug("no shared CPU arena: %s", ort_message(exc))
                 _arena = False
         return _arena
-
-
-_SAME_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: extend by the request's size
 
 
 _OPTIMIZATION_LEVELS: dict[str, Callable[[Any], Any]] = {

@@ -1,16 +1,17 @@
 """Step time, first-call time and peak memory of ModuleEngine against eager PyTorch.
 
-    python benchmarks/bench_engine.py [--steps 50] [--warmup 10] [--threads 1,2]
-                                      [--models mlp,transformer,transformer_p0]
+    python benchmarks/bench_engine.py [--steps 50] [--min-seconds 5] [--warmup 10]
+                                      [--threads 1,2] [--models mlp,transformer,transformer_p0]
 
 A step is forward + loss + backward + AdamW step. Eager and engine steps are interleaved in one
-process (so both see the same machine load) and the median of `--steps` timed steps after
-`--warmup` untimed ones is reported, at each `--threads` count (torch.set_num_threads; the
-engine's ORT sessions follow it). The first call (export + gradient build + session + the
-first step) is measured in a fresh subprocess of this script, so ONNX Runtime's import and the
-exporter's first-use warm-up are counted as a user pays them; the first call of a second model
-instance in the already-warm main process is reported as well. Peak RSS comes from the fresh
-subprocesses (eager-only and engine), so the two are comparable.
+process (so both see the same machine load), in pairs whose order alternates, and the medians of
+at least `--steps` pairs and `--min-seconds` after `--warmup` untimed pairs are reported, with
+their ratio and the median of the per-pair ratios, at each `--threads` count
+(torch.set_num_threads; the engine's ORT sessions follow it). The first call (export + gradient
+build + session + the first step) is measured in a fresh subprocess of this script, so ONNX
+Runtime's import and the exporter's first-use warm-up are counted as a user pays them; the first
+call of a second model instance in the already-warm main process is reported as well. Peak RSS
+comes from the fresh subprocesses (eager-only and engine), so the two are comparable.
 
 Results: benchmarks/results/engine.json, and a table on stdout.
 """
@@ -182,7 +183,9 @@ def run_child(model_name: str, side: str, steps: int) -> dict[str, Any]:
 
 
 # --- parent: interleaved steady-state steps ---------------------------------------------------
-def interleaved(model_name: str, steps: int, warmup: int) -> dict[str, Any]:
+def interleaved(
+    model_name: str, steps: int, warmup: int, min_seconds: float = 0.0
+) -> dict[str, Any]:
     import copy
 
     from ort_autopatch.engine import ModuleEngine
@@ -198,16 +201,22 @@ def interleaved(model_name: str, steps: int, warmup: int) -> dict[str, Any]:
     _step(engine, engine_opt, inputs, loss_fn)
     warm_first = time.perf_counter() - t0  # ORT imported and warmed by an earlier model (or not)
 
-    eager_times, engine_times = [], []
-    for i in range(warmup + steps):
-        s = time.perf_counter()
-        _step(eager_model, eager_opt, inputs, loss_fn)
-        e = time.perf_counter()
-        _step(engine, engine_opt, inputs, loss_fn)
-        o = time.perf_counter()
-        if i >= warmup:
-            eager_times.append(e - s)
-            engine_times.append(o - e)
+    eager_times: list[float] = []
+    engine_times: list[float] = []
+    sides = [(eager_model, eager_opt, eager_times), (engine, engine_opt, engine_times)]
+    for _ in range(warmup):
+        for call, opt, _times in sides:
+            _step(call, opt, inputs, loss_fn)
+    # Pairs of steps, eager first and ORT first in turn (whichever runs second finds the
+    # caches the other left), until `steps` pairs and `min_seconds` are both reached: a
+    # millisecond step needs hundreds of pairs for a median that holds from run to run.
+    start, pairs = time.perf_counter(), 0
+    while pairs < steps or time.perf_counter() - start < min_seconds:
+        for call, opt, times in sides if pairs % 2 == 0 else sides[::-1]:
+            s = time.perf_counter()
+            _step(call, opt, inputs, loss_fn)
+            times.append(time.perf_counter() - s)
+        pairs += 1
 
     # A second instance of the same class in this warm process: what a second model pays.
     second, _, _ = MODELS[model_name]()
@@ -218,10 +227,13 @@ def interleaved(model_name: str, steps: int, warmup: int) -> dict[str, Any]:
     second_first = time.perf_counter() - s
     eager_ms = statistics.median(eager_times) * 1e3
     engine_ms = statistics.median(engine_times) * 1e3
+    pairwise = statistics.median(o / e for e, o in zip(eager_times, engine_times, strict=True))
     return {
         "eager_step_ms": eager_ms,
         "engine_step_ms": engine_ms,
         "ratio_engine_over_eager": engine_ms / eager_ms,
+        "ratio_pairwise_median": pairwise,  # each ORT step over the eager step of its pair
+        "steps": pairs,
         "eager_step_ms_p10_p90": [_pct(eager_times, 10) * 1e3, _pct(eager_times, 90) * 1e3],
         "engine_step_ms_p10_p90": [_pct(engine_times, 10) * 1e3, _pct(engine_times, 90) * 1e3],
         "first_call_in_process_s": warm_first,
@@ -249,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=50, help="at least this many step pairs")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=5.0,
+        help="and step pairs for at least this long, per model and thread count",
+    )
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--models", default="mlp,transformer,transformer_p0")
     parser.add_argument("--threads", default="1,2", help="comma list of thread counts")
@@ -279,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
             "machine": platform.machine(),
             "steps": args.steps,
+            "min_seconds": args.min_seconds,
             "warmup": args.warmup,
         },
         "models": {},
@@ -302,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         per_threads = {}
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            per_threads[str(threads)] = interleaved(name, args.steps, args.warmup)
+            per_threads[str(threads)] = interleaved(
+                name, args.steps, args.warmup, args.min_seconds
+            )
         torch.set_num_threads(default_threads)
         # the top-level numbers (read by render_report.py) are the default thread count's
         steady = per_threads.get(str(default_threads)) or per_threads[str(thread_counts[-1])]
@@ -310,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
             "description": DESCRIPTIONS[name],
             **steady,
             "threads": {
-                t: {k: v for k, v in r.items() if k.endswith("_ms") or k.startswith("ratio")}
+                t: {
+                    k: v
+                    for k, v in r.items()
+                    if k.endswith("_ms") or k.startswith("ratio") or k == "steps"
+                }
                 for t, r in per_threads.items()
             },
             "fresh_process": {"engine": fresh_engine, "eager": fresh_eager},
@@ -336,16 +361,20 @@ def _print_table(report: dict[str, Any]) -> None:
     env = report["environment"]
     print(
         f"{env['date']}: torch {env['torch']}, onnxruntime {env['onnxruntime']}, "
-        f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}, median of {env['steps']} after "
-        f"{env['warmup']} warm-up, load average {env['load_average'][0]:.2f} -> "
-        f"{env['load_average_after'][0]:.2f}"
+        f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}, medians of at least {env['steps']} step "
+        f"pairs and {env['min_seconds']:.0f} s after {env['warmup']} warm-up, load average "
+        f"{env['load_average'][0]:.2f} -> {env['load_average_after'][0]:.2f}"
     )
-    print(f"\n{'model':<16} {'threads':>7} {'eager ms':>9} {'engine ms':>10} {'ratio':>6}")
+    print(
+        f"\n{'model':<16} {'threads':>7} {'eager ms':>9} {'engine ms':>10} {'ratio':>6} "
+        f"{'pairwise':>8} {'pairs':>6}"
+    )
     for name, m in report["models"].items():
         for threads, r in m["threads"].items():
             print(
                 f"{name:<16} {threads:>7} {r['eager_step_ms']:>9.2f} {r['engine_step_ms']:>10.2f} "
-                f"{r['ratio_engine_over_eager']:>6.2f}"
+                f"{r['ratio_engine_over_eager']:>6.2f} {r['ratio_pairwise_median']:>8.2f} "
+                f"{r['steps']:>6}"
             )
     print(f"\nat the default {env['torch_threads']} threads:")
     header = (

@@ -63,32 +63,16 @@ class KeptValues:
     value. Until then the old value holds the old tensor (its memory stays allocated).
     """
 
-    __slots__ = ("_positions", "_values")
+    __slots__ = ("positions", "values")
 
     def __init__(self, positions: Sequence[int]) -> None:
-        self._positions = frozenset(positions)  # feed positions holding module tensors
-        self._values: dict[int, tuple[int, torch.Size, tuple[int, ...], torch.dtype, Any]] = {}
-
-    def holds(self, position: int) -> bool:
-        """Whether this feed is a module tensor (the call's own inputs are never kept)."""
-        return position in self._positions
-
-    def take(self, position: int, tensor: torch.Tensor) -> Any:
-        """The kept value for this feed, or None when it must be (re)made."""
-        kept = self._values.get(position)
-        if (
-            kept is not None
-            and kept[0] == tensor.data_ptr()
-            and kept[1] == tensor.shape
-            and kept[2] == tensor.stride()
-            and kept[3] is tensor.dtype
-        ):
-            return kept[4]
-        return None
+        self.positions = frozenset(positions)  # feed positions holding module tensors
+        # position -> (address, shape, strides, dtype, value); read inline by `_push`
+        self.values: dict[int, tuple[int, torch.Size, tuple[int, ...], torch.dtype, Any]] = {}
 
     def keep(self, position: int, tensor: torch.Tensor, value: Any) -> None:
         if tensor.numel() > 0:  # an empty tensor's address says nothing
-            self._values[position] = (
+            self.values[position] = (
                 tensor.data_ptr(),
                 tensor.shape,
                 tensor.stride(),
@@ -97,17 +81,28 @@ class KeptValues:
             )
 
 
+_NOTHING_KEPT: dict[int, tuple[int, torch.Size, tuple[int, ...], torch.dtype, Any]] = {}
+
+
 def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> Any:
-    _, capi = runtime.load()
-    vector = capi.OrtValueVector()
+    """ORT's vector of the feeds. It runs on every call of every graph: the kept values'
+    check is inlined here, not a method per feed (about 2 us a call on a small model)."""
+    vector = runtime.capi().OrtValueVector()
     vector.reserve(len(tensors))
+    push = vector.push_back
+    values = kept.values if kept is not None else _NOTHING_KEPT
     for k, tensor in enumerate(tensors):
-        keeper = kept if kept is not None and kept.holds(k) else None
-        if keeper is not None:
-            value = keeper.take(k, tensor)
-            if value is not None:
-                vector.push_back(value)
-                continue
+        held = values.get(k)
+        if (
+            held is not None
+            and held[0] == tensor.data_ptr()
+            and held[1] == tensor.shape
+            and held[2] == tensor.stride()
+            and held[3] is tensor.dtype
+        ):
+            push(held[4])
+            continue
+        keeper = kept if kept is not None and k in kept.positions else None
         t = tensor.detach()
         if not t.is_contiguous():
             t, keeper = t.contiguous(), None  # a copy: the next call makes its own
@@ -119,11 +114,11 @@ def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> An
         is_bool = t.dtype is torch.bool
         capsule = to_dlpack(t.view(torch.uint8) if is_bool else t)
         if keeper is None:
-            vector.push_back(capsule, is_bool)
+            push(capsule, is_bool)
             continue
-        value = capi.OrtValue.from_dlpack(capsule, is_bool)
+        value = runtime.capi().OrtValue.from_dlpack(capsule, is_bool)
         keeper.keep(k, tensor, value)
-        vector.push_back(value)
+        push(value)
     return vector
 
 
@@ -144,14 +139,19 @@ def _seed_dropout() -> int:
     return seed
 
 
-@contextlib.contextmanager
-def on_stream(stream: Any) -> Iterator[Any]:
+_NO_STREAM = contextlib.nullcontext()
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """Run ORT (and the graph's torch-calling nodes) on the session's CUDA stream, ordered after
     the caller's current stream's work and before its later work (`session.compute_stream`).
-    Yields the caller's stream (None on CPU, where this costs one comparison)."""
-    if stream is None:
-        yield None
-        return
+    Yields the caller's stream; on CPU (no stream) a shared do-nothing context yielding None,
+    since every backward enters one."""
+    return _NO_STREAM if stream is None else _on_cuda_stream(stream)
+
+
+@contextlib.contextmanager
+def _on_cuda_stream(stream: Any) -> Iterator[Any]:
     caller = torch.cuda.current_stream(stream.device)
     stream.wait_stream(caller)
     try:
@@ -261,7 +261,7 @@ def _run_backward(
     step: Step,
     run: _RunState,
     grad_outputs: Sequence[torch.Tensor | None],
-) -> tuple[torch.Tensor | None, ...]:
+) -> list[torch.Tensor | None]:
     """ORT's backward from the state of its forward: one gradient (or None) per feed."""
     grads = []
     for k in range(program.num_outputs):
@@ -275,8 +275,7 @@ def _run_backward(
             else:
                 grad = torch.zeros((), device=device, dtype=dtype)
         grads.append(grad)
-    _, capi = runtime.load()
-    results = capi.OrtValueVector()
+    results = runtime.capi().OrtValueVector()
     try:
         with on_stream(program.stream) as caller:
             program.agent.run_backward(_push(grads), results, run.state)
@@ -285,7 +284,7 @@ def _run_backward(
     finally:
         run.state = None
     tensors = _tensors(results, caller)
-    return tuple(tensors[i] if i >= 0 else None for i in program.grad_index)
+    return [tensors[i] if i >= 0 else None for i in program.grad_index]
 
 
 def _user_outputs(
@@ -302,24 +301,29 @@ def _output_info(outputs: list[torch.Tensor]) -> list[tuple[torch.Size, torch.de
     return [(o.shape, o.device, o.dtype) for o in outputs]
 
 
+@dataclass(frozen=True)
+class TrainingGraph:
+    """A training graph as its calls run it: everything the autograd Function needs besides
+    the feeds, as its one non-tensor argument (autograd handles every argument of every
+    call: an input slot, a `needs_input_grad` flag, a None gradient)."""
+
+    program: TrainingProgram
+    step: Step
+    saved: tuple[int, ...]  # feeds saved for autograd's version check
+    kept: KeptValues | None = None
+
+
 class TrainingCall(torch.autograd.Function):
     """Forward and backward of one graph; the feeds are the Function's inputs so autograd
     routes each gradient to its parameter or input."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        program: TrainingProgram,
-        step: Step,
-        saved: tuple[int, ...],
-        kept: KeptValues | None,
-        *feeds: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, graph: TrainingGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        program, step = graph.program, graph.step
         if step.seeds_dropout:
             _seed_dropout()
-        state, outputs, contexts = _run_forward(program, step, feeds, kept)
-        ctx.program = program
-        ctx.step = step
+        state, outputs, contexts = _run_forward(program, step, feeds, graph.kept)
+        ctx.graph = graph
         ctx.run = _RunState(state, _output_info(outputs))
         if contexts:
             # torch-calling nodes keep their torch graph until backward; free it with the run
@@ -332,20 +336,15 @@ class TrainingCall(torch.autograd.Function):
         # raises eager's error instead of silently changing the gradients. Saved after the
         # BatchNorm statistics update, which writes buffers the graph read.
         ctx.save_for_backward(
-            *(feeds[k] for k in saved), *(user[k] for k in program.backward_reads_outputs)
+            *[feeds[k] for k in graph.saved], *[user[k] for k in program.backward_reads_outputs]
         )
         return user
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         _ = ctx.saved_tensors
-        return (
-            None,
-            None,
-            None,
-            None,
-            *_run_backward(ctx.program, ctx.step, ctx.run, grad_outputs),
-        )
+        graph: TrainingGraph = ctx.graph
+        return (None, *_run_backward(graph.program, graph.step, ctx.run, grad_outputs))
 
 
 class RecomputingTrainingCall(torch.autograd.Function):
@@ -356,24 +355,18 @@ class RecomputingTrainingCall(torch.autograd.Function):
     forward and gathers again before backward, into new memory): ORT's saved state would point
     at the freed memory. Costs one more forward; holds only the feeds (no activations) in
     between, as activation checkpointing does. Dropout and random torch-calling nodes replay
-    the forward's seeds.
+    the forward's seeds. The graph's kept values are not used: these parameters get new memory
+    between calls.
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        program: TrainingProgram,
-        step: Step,
-        saved: tuple[int, ...],
-        kept: KeptValues | None,  # unused: these parameters get new memory between calls
-        *feeds: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, graph: TrainingGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        program, step = graph.program, graph.step
         seed = _seed_dropout() if step.seeds_dropout else None
         with torch_nodes.recorded_seeds(None) as drawn:
             _, outputs, contexts = _run_forward(program, step, feeds)
         torch_nodes.release(contexts)  # ORT's state is dropped here: no backward from it
-        ctx.program = program
-        ctx.step = step
+        ctx.graph = graph
         ctx.seeds = (seed, drawn)
         ctx.set_materialize_grads(False)
         user = _user_outputs(ctx, program, step, outputs)
@@ -383,15 +376,16 @@ class RecomputingTrainingCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         feeds = ctx.saved_tensors
-        program: TrainingProgram = ctx.program
+        graph: TrainingGraph = ctx.graph
+        program, step = graph.program, graph.step
         seed, drawn = ctx.seeds
         if seed is not None:
-            runtime.load()[1].set_seed(seed)
+            runtime.capi().set_seed(seed)
         with torch_nodes.recorded_seeds(drawn):
-            state, outputs, contexts = _run_forward(program, ctx.step, feeds)
+            state, outputs, contexts = _run_forward(program, step, feeds)
         try:
             run = _RunState(state, _output_info(outputs))
-            grads = _run_backward(program, ctx.step, run, grad_outputs)
+            grads = _run_backward(program, step, run, grad_outputs)
         finally:
             torch_nodes.release(contexts)
-        return (None, None, None, None, *grads)
+        return (None, *grads)

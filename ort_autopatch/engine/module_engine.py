@@ -132,9 +132,11 @@ class _Entry:
     gradient: session.GradientGraph | None = None
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
     kept: bridge.KeptValues = field(init=False)  # ORT's values of the module's tensors
+    graph: bridge.TrainingGraph = field(init=False)  # what a training call's Function takes
 
     def __post_init__(self) -> None:
         self.kept = bridge.KeptValues([k for k, (user, _) in enumerate(self.feeds) if not user])
+        self.graph = bridge.TrainingGraph(self.program, self.step, self.saved, self.kept)
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
@@ -144,7 +146,7 @@ class _Entry:
         try:
             if self.training:
                 function = bridge.RecomputingTrainingCall if recompute else bridge.TrainingCall
-                outputs = function.apply(self.program, self.step, self.saved, self.kept, *feeds)
+                outputs = function.apply(self.graph, *feeds)
             else:
                 outputs = bridge.run_inference(self.program, self.step, feeds, self.kept)
         except ExecutionError as exc:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import operator
 from collections.abc import Hashable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -30,13 +31,25 @@ _CONSTANT_TYPES = (
 TensorSig = tuple[torch.dtype, int, torch.device, bool]
 
 
-@dataclasses.dataclass
 class FlatCall:
-    tensors: list[torch.Tensor]
-    signature: Hashable
-    call_spec: CallSpec | None  # built lazily: only a cache miss needs it
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    """One call: its tensors in pytree's leaf order, its signature, and what a miss needs."""
+
+    __slots__ = ("_shapes", "args", "call_spec", "kwargs", "signature", "tensors")
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        signature: Hashable,
+        call_spec: CallSpec | None,  # built lazily: only a cache miss needs it
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.tensors = tensors
+        self.signature = signature
+        self.call_spec = call_spec
+        self.args = args
+        self.kwargs = kwargs
+        self._shapes: tuple[tuple[int, ...], ...] | None = None
 
     def spec(self) -> CallSpec:
         if self.call_spec is None:
@@ -44,7 +57,14 @@ class FlatCall:
         return self.call_spec
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(t.shape) for t in self.tensors)
+        """Read once per call: hot shapes, the key and the graph's checks all ask."""
+        if self._shapes is None:
+            self._shapes = tuple(map(tuple, map(_SHAPE, self.tensors)))
+        return self._shapes
+
+
+_SHAPE = operator.attrgetter("shape")
+_TENSOR = torch.Tensor
 
 
 def _tensor_sig(t: torch.Tensor) -> TensorSig:
@@ -56,18 +76,19 @@ def flatten_call(
 ) -> FlatCall:
     """Split a call into its tensors and a hashable signature (structure, dtypes, ranks,
     devices, requires_grad and the values of non-tensor leaves)."""
-    if all(isinstance(a, torch.Tensor) for a in args) and all(
-        v is None or isinstance(v, torch.Tensor) for v in kwargs.values()
+    if all(map(isinstance, args, repeat(_TENSOR))) and (
+        not kwargs or all(v is None or isinstance(v, _TENSOR) for v in kwargs.values())
     ):
         # The common case (tensors, and keywords that are tensors or None) without pytree's
-        # cost; the tensors come in pytree's leaf order, as `spec()` will number them.
-        tensors = [*args, *(v for v in kwargs.values() if v is not None)]
-        sig: Hashable = (
-            len(args),
-            tuple(map(_tensor_sig, args)),
-            tuple((k, None if v is None else _tensor_sig(v)) for k, v in kwargs.items()),
-        )
-        if check_devices:
+        # cost, on every call, in C-level passes where it can; the tensors come in pytree's
+        # leaf order, as `spec()` will number them.
+        if kwargs:
+            tensors = [*args, *(v for v in kwargs.values() if v is not None)]
+            named = tuple((k, None if v is None else _tensor_sig(v)) for k, v in kwargs.items())
+        else:
+            tensors, named = list(args), ()
+        sig: Hashable = (len(args), tuple(map(_tensor_sig, args)), named)
+        if check_devices and len(tensors) > 1:
             _check_devices(cls, tensors)
         return FlatCall(tensors, sig, None, args, kwargs)
     leaves, spec = trees.flatten((args, kwargs))

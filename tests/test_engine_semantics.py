@@ -662,3 +662,26 @@ def test_in_place_weight_change_between_forward_and_backward_raises() -> None:
         ours.out.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="inplace"):
         y.sum().backward()
+
+
+def test_a_training_call_runs_as_torch_s_own_autograd_function() -> None:
+    """A training call skips `Function.apply`'s Python layer (`bridge.train`): the graph is
+    still one `TrainingCall` node of autograd, whose gradients reach every parameter."""
+    torch.manual_seed(0)
+    eager, ours, engine = _pair(Net())
+    out = engine(torch.randn(4, 8))
+    assert type(out.grad_fn).__name__ == "TrainingCallBackward"
+    for _ in range(3):
+        _twin_steps(eager, ours, engine, "through the direct apply")
+
+
+def test_a_training_call_under_functorch_transforms_takes_torch_s_own_path() -> None:
+    """Under vmap or grad, `bridge.train` hands the call to `Function.apply`, which refuses a
+    Function without `setup_context` in torch's words, as before the direct apply."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    engine = ModuleEngine(model)
+    x = torch.randn(2, 4)
+    engine(x).sum().backward()  # the graph is built outside the transform
+    with pytest.raises(RuntimeError, match="it must override the setup_context staticmethod"):
+        torch.func.vmap(engine)(x.unsqueeze(1))

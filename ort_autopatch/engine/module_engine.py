@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,10 +143,10 @@ class _Entry:
         feeds = [user[i] if is_user else tensors[i] for is_user, i in self.feeds]
         checks = self.recipe.checks
         before = _Undo(self.step) if checks else None
+        outputs: Sequence[torch.Tensor]
         try:
             if self.training:
-                function = bridge.RecomputingTrainingCall if recompute else bridge.TrainingCall
-                outputs = function.apply(self.graph, *feeds)
+                outputs = bridge.train(self.graph, feeds, recompute)
             else:
                 outputs = bridge.run_inference(self.program, self.step, feeds, self.kept)
         except ExecutionError as exc:

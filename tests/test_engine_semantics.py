@@ -671,11 +671,18 @@ def test_a_training_call_runs_as_torch_s_own_autograd_function() -> None:
     eager, ours, engine = _pair(Net())
     out = engine(torch.randn(4, 8))
     assert type(out.grad_fn).__name__ == "TrainingCallBackward"
-    for _ in range(3):
-        _twin_steps(eager, ours, engine, "through the direct apply")
+    for batch in (4, 6, 4, 1, 7):  # sizes that change every call, a batch of one among them
+        _twin_steps(eager, ours, engine, "through the direct apply", batch=batch)
 
 
-def test_a_training_call_under_functorch_transforms_takes_torch_s_own_path() -> None:
+@pytest.mark.parametrize(
+    "transform",
+    [
+        pytest.param(lambda engine, x: torch.func.vmap(engine)(x.unsqueeze(1)), id="vmap"),
+        pytest.param(lambda engine, x: torch.func.grad(lambda t: engine(t).sum())(x), id="grad"),
+    ],
+)
+def test_a_training_call_under_functorch_transforms_takes_torch_s_own_path(transform) -> None:
     """Under vmap or grad, `bridge.train` hands the call to `Function.apply`, which refuses a
     Function without `setup_context` in torch's words, as before the direct apply."""
     torch.manual_seed(0)
@@ -684,4 +691,4 @@ def test_a_training_call_under_functorch_transforms_takes_torch_s_own_path() -> 
     x = torch.randn(2, 4)
     engine(x).sum().backward()  # the graph is built outside the transform
     with pytest.raises(RuntimeError, match="it must override the setup_context staticmethod"):
-        torch.func.vmap(engine)(x.unsqueeze(1))
+        transform(engine, x)

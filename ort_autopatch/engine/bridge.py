@@ -309,7 +309,6 @@ class TrainingGraph:
 
     program: TrainingProgram
     step: Step
-    saved: tuple[int, ...]  # feeds saved for autograd's version check
     kept: KeptValues | None = None
 
 
@@ -336,7 +335,8 @@ class TrainingCall(torch.autograd.Function):
         # raises eager's error instead of silently changing the gradients. Saved after the
         # BatchNorm statistics update, which writes buffers the graph read.
         ctx.save_for_backward(
-            *[feeds[k] for k in graph.saved], *[user[k] for k in program.backward_reads_outputs]
+            *[feeds[k] for k in program.backward_reads_feeds],
+            *[user[k] for k in program.backward_reads_outputs],
         )
         return user
 

@@ -125,7 +125,6 @@ class _Entry:
     step: bridge.Step
     # per feed: (True, user tensor index) or (False, index into ModuleState.tensors)
     feeds: list[tuple[bool, int]]
-    saved: tuple[int, ...]
     output_spec: export.OutputSpec
     recipe: Recipe
     # the gradient graph the session runs when it is not the recipe's (`_for_device`)
@@ -136,7 +135,7 @@ class _Entry:
 
     def __post_init__(self) -> None:
         self.kept = bridge.KeptValues([k for k, (user, _) in enumerate(self.feeds) if not user])
-        self.graph = bridge.TrainingGraph(self.program, self.step, self.saved, self.kept)
+        self.graph = bridge.TrainingGraph(self.program, self.step, self.kept)
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
@@ -826,13 +825,10 @@ class ModuleEngine:
                 )
                 recipe.optimized = recipe.optimized or program.optimized
             feeds = [locate(n) for n in program.feed_names]
-            saved = program.backward_reads_feeds
             counts = recipe.torch_nodes
             if swapped is not None:
                 counts = torch_nodes.Inventory.of(_load(swapped.model)).counts
-            return _Entry(
-                True, program, step, feeds, saved, recipe.output_spec, recipe, swapped, counts
-            )
+            return _Entry(True, program, step, feeds, recipe.output_spec, recipe, swapped, counts)
         program = session.build_inference(
             recipe.optimized or recipe.forward_model,
             device,
@@ -844,7 +840,7 @@ class ModuleEngine:
         recipe.optimized = recipe.optimized or program.optimized
         feeds = [locate(n) for n in program.feed_names]
         return _Entry(
-            False, program, step, feeds, (), recipe.output_spec, recipe, None, recipe.torch_nodes
+            False, program, step, feeds, recipe.output_spec, recipe, None, recipe.torch_nodes
         )
 
     def _for_device(

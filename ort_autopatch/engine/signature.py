@@ -88,7 +88,7 @@ def flatten_call(
         else:
             tensors, named = list(args), ()
         sig: Hashable = (len(args), tuple(map(_tensor_sig, args)), named)
-        if check_devices and len(tensors) > 1:
+        if check_devices:
             _check_devices(cls, tensors)
         return FlatCall(tensors, sig, None, args, kwargs)
     leaves, spec = trees.flatten((args, kwargs))

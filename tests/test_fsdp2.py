@@ -115,7 +115,7 @@ def test_sharded_blocks_train_in_ort_with_eager_fsdp2_numbers(
     _assert_same_training(ort, eager)
     _assert_blocks_in_ort(ort)
     # Peak RSS per rank, ORT against eager FSDP2: ONNX Runtime's library and sessions
-    # (~45 MB) dominate at this size; README states the measured ratio.
+    # (~45 MB) dominate at this size; docs/distributed.md states the measured ratio.
     assert _memory_ratio(ort, eager) < 1.5, (ort["memory"], eager["memory"])
 
 

@@ -1,4 +1,13 @@
-"""Development sessions: `nox -s demo`, `nox -s tests`, `nox -s lint`, `nox -s bench`."""
+"""Development sessions (`nox -s NAME`; `nox` alone runs `tests`).
+
+- `demo`: examples/train_mlp.py through the launcher, with its summary.
+- `tests`: the test suite; it then runs `tests_transformers5`.
+- `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
+- `lint`: ruff, ruff format, mypy and the README's generated option table.
+- `bench`: every benchmark; results in benchmarks/results/*.json.
+- `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.
+- `soak`: every reliability scenario, the 2000-step soak included; README's reliability table.
+"""
 
 from __future__ import annotations
 

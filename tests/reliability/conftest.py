@@ -1,6 +1,6 @@
 """Reliability scenarios: count what was tried and what survived, for the README.
 
-With ORT_AUTOPATCH_RELIABILITY_RESULTS=path set (the `soak` and `reliability` nox sessions set
+With ORT_AUTOPATCH_RELIABILITY_RESULTS=path set (the `soak` nox session sets
 it), the counts per file go to that JSON file at the end of the run;
 benchmarks/render_reliability.py turns it into the README's reliability section.
 """

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher
-from ort_autopatch.engine import module_engine
+from ort_autopatch.engine import entry as engine_entry
 from ort_autopatch.policy import SkipCheck
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dispatch.json"
@@ -90,12 +90,12 @@ def bert_hit_path() -> dict[str, Any]:
         model = BertModel(config)
         ids = torch.randint(0, 100, (2, 16))
         model(input_ids=ids)  # build
-        real_run = module_engine._Entry.run
-        module_engine._Entry.run = lambda self, state, call, recompute=False: None  # type: ignore[method-assign,assignment,return-value]
+        real_run = engine_entry.Entry.run
+        engine_entry.Entry.run = lambda self, state, call, recompute=False: None  # type: ignore[method-assign,assignment,return-value]
         try:
             hit_us = _median_us(lambda: model(input_ids=ids), repeat=300)
         finally:
-            module_engine._Entry.run = real_run  # type: ignore[method-assign]
+            engine_entry.Entry.run = real_run  # type: ignore[method-assign]
         modules = sum(1 for _ in model.modules())
         # Where the hit path goes: the guards every call reads (nothing announces their changes).
         instance = patcher._instances[model]
@@ -134,7 +134,7 @@ def main() -> None:
         "not_selected_call_is_module_call": NotSelected.__call__ is nn.Module.__call__,
     }
     constant = torch.zeros(64, 10)
-    real_run = module_engine._Entry.run
+    real_run = engine_entry.Entry.run
     for label, skip in (
         ("all_checks", SkipCheck.SKIP_CHECK_DISABLED),
         (
@@ -146,11 +146,11 @@ def main() -> None:
         patcher.patch(MLP, patcher.Settings(skip_check=skip))
         model = MLP()
         model(x)  # build
-        module_engine._Entry.run = lambda self, state, call, recompute=False: constant  # type: ignore[method-assign]
+        engine_entry.Entry.run = lambda self, state, call, recompute=False: constant  # type: ignore[method-assign]
         try:
             hit_us = _median_us(lambda model=model: model(x))
         finally:
-            module_engine._Entry.run = real_run  # type: ignore[method-assign]
+            engine_entry.Entry.run = real_run  # type: ignore[method-assign]
         results[f"hit_path_us_{label}"] = round(hit_us, 2)
         results[f"hit_path_share_of_eager_step_{label}"] = round(hit_us / (eager_ms * 1e3), 4)
     results.update(bert_hit_path())

@@ -602,7 +602,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
 
 
 def test_engine_options_are_what_the_engine_takes() -> None:
-    from ort_autopatch.engine.module_engine import EngineOptions
+    from ort_autopatch.engine.recipe import EngineOptions
 
     values = Config().engine_values()
     assert set(values) == {f.name for f in dataclasses.fields(EngineOptions)}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ort_autopatch.engine import EngineOptions, ModuleEngine, module_engine
+from ort_autopatch.engine import EngineOptions, ModuleEngine, build
 
 
 class SlowToTrace(nn.Module):
@@ -29,7 +29,7 @@ def _reasons(engine: ModuleEngine) -> list[str]:
 def test_a_slow_build_says_so_while_it_runs(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(module_engine, "SLOW_BUILD_SECONDS", 0.1)
+    monkeypatch.setattr(build, "SLOW_BUILD_SECONDS", 0.1)
     with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
         ModuleEngine(SlowToTrace())(torch.randn(2, 4))
     messages = [r.getMessage() for r in caplog.records]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ort_autopatch.engine import EngineOptions, ModuleEngine, module_engine, persist
+from ort_autopatch.engine import EngineOptions, ModuleEngine, persist
 from ort_autopatch.engine.store import GraphStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ class Small(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _fresh_stores() -> None:
-    module_engine._stores.clear()
+    persist._stores.clear()
 
 
 def _engine(model: nn.Module, folder: Path, **options: object) -> ModuleEngine:
@@ -176,7 +176,7 @@ def test_a_truncated_graph_is_ignored_with_a_warning_and_rebuilt(
     _engine(model, tmp_path)(torch.randn(5, 4))
     for graph in tmp_path.rglob("*.onnx"):
         graph.write_bytes(graph.read_bytes()[:50])
-    module_engine._stores.clear()
+    persist._stores.clear()
     engine = _engine(model, tmp_path)
     with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
         x = torch.randn(5, 4)
@@ -191,7 +191,7 @@ def test_a_foreign_sidecar_is_ignored(tmp_path: Path) -> None:
     for sidecar in tmp_path.rglob("*.json"):
         if sidecar.name != "paths.json":
             sidecar.write_text('{"format": 999}')
-    module_engine._stores.clear()
+    persist._stores.clear()
     engine = _engine(model, tmp_path)
     engine(torch.randn(5, 4))
     assert not engine.records[0].from_disk

@@ -37,16 +37,13 @@ from ort_autopatch.engine.errors import (  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from ort_autopatch.engine.export import is_exporting  # noqa: F401
-    from ort_autopatch.engine.module_engine import (  # noqa: F401
-        BuildRecord,
-        EngineOptions,
-        ModuleEngine,
-    )
+    from ort_autopatch.engine.module_engine import ModuleEngine  # noqa: F401
+    from ort_autopatch.engine.recipe import BuildRecord, EngineOptions  # noqa: F401
 
 _LAZY = {
     "is_exporting": "export",
-    "BuildRecord": "module_engine",
-    "EngineOptions": "module_engine",
+    "BuildRecord": "recipe",
+    "EngineOptions": "recipe",
     "ModuleEngine": "module_engine",
 }
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import inspect
 import logging
 import platform
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine import export, graph, hazards, runtime, session
+from ort_autopatch.engine.callkey import CallKey, Guards
+from ort_autopatch.engine.recipe import Recipe
+from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
-from ort_autopatch.engine.store import StoredEntry, digest, digest_bytes
+from ort_autopatch.engine.store import GraphStore, StoredEntry, digest, digest_bytes
 
 log = logging.getLogger("ort_autopatch")
 
@@ -73,7 +79,7 @@ def machine_fingerprint() -> str:
     return _fingerprint
 
 
-def graphs_of(recipe: Any) -> dict[str, bytes]:
+def graphs_of(recipe: Recipe) -> dict[str, bytes]:
     graphs = {"forward": recipe.forward_model}
     if recipe.gradient is not None:
         graphs["gradient"] = recipe.gradient.model
@@ -125,7 +131,7 @@ def _qualified(obj: Any) -> str:
     )
 
 
-def meta_of(recipe: Any) -> dict[str, Any] | None:
+def meta_of(recipe: Recipe) -> dict[str, Any] | None:
     """The recipe as JSON, or None when its output structure cannot be written as JSON."""
     spec = recipe.output_spec
     if not all(isinstance(leaf, _JSON_LEAVES) for leaf in spec.leaves):
@@ -168,10 +174,8 @@ def meta_of(recipe: Any) -> dict[str, Any] | None:
     }
 
 
-def recipe_from(stored: StoredEntry, cls: str) -> Any:
+def recipe_from(stored: StoredEntry, cls: str) -> Recipe | None:
     """A recipe from a stored entry, or None (with a warning) when the entry does not fit."""
-    from ort_autopatch.engine.module_engine import Recipe
-
     meta = stored.meta
     try:
         spec = export.OutputSpec(
@@ -227,7 +231,7 @@ def _check(model: bytes) -> None:
     onnx.checker.check_model(onnx.load_from_string(model))
 
 
-def save_onnx(folder: Path, cls: str, grad: bool, training: bool, key: str, recipe: Any) -> None:
+def save_onnx(folder: Path, cls: str, grad: bool, training: bool, key: str, recipe: Recipe) -> None:
     """Write the exported (and gradient) graph with a name saying class, mode and signature."""
     mode = "train" if grad else ("eval" if not training else "nograd")
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', cls)}-{mode}-{key[:12]}"
@@ -238,3 +242,135 @@ def save_onnx(folder: Path, cls: str, grad: bool, training: bool, key: str, reci
             (folder / f"{stem}.gradient.onnx").write_bytes(recipe.gradient.model)
     except OSError as exc:
         log.warning("ort_autopatch: cannot save graphs to %s: %s", folder, exc)
+
+
+_stores: dict[Path, GraphStore] = {}
+
+
+def store_for(root: Path | None) -> GraphStore | None:
+    """The one store of a cache folder in this process, or None without a usable one."""
+    if root is None:
+        return None
+    store = _stores.get(root)
+    if store is None:
+        store = _stores[root] = GraphStore(root)
+    return store if store.usable else None
+
+
+_source_cache: dict[tuple[str, float], str] = {}
+
+
+def source_digest(module: torch.nn.Module) -> str | None:
+    """Hash of the files defining every class in the tree: an edited model never loads a
+    graph exported from its old code. None when a class has no source file (REPL, exec)."""
+    files = set()
+    for sub in module.modules():
+        for klass in type(sub).__mro__:
+            if klass.__module__ in ("builtins", "torch.nn.modules.module"):
+                continue
+            mod = sys.modules.get(klass.__module__)
+            path = getattr(mod, "__file__", None)
+            if path is None:
+                return None
+            files.add(path)
+    hashed = hashlib.sha256()
+    for path in sorted(files):
+        try:
+            stamp = Path(path).stat().st_mtime
+            cached = _source_cache.get((path, stamp))
+            if cached is None:
+                cached = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                _source_cache[(path, stamp)] = cached
+        except OSError:
+            return None
+        hashed.update(path.encode() + cached.encode())
+    return hashed.hexdigest()
+
+
+class Persistence:
+    """One module's way to the on-disk graph cache (`--cache-dir`) and to `--save-onnx`."""
+
+    def __init__(
+        self,
+        cls: str,
+        store: GraphStore | None,
+        save_onnx: Path | None,
+        opset: int,
+        guards: Guards | None,
+    ) -> None:
+        self.cls = cls
+        self.store = store
+        self.save_to = save_onnx
+        self.opset = opset
+        self.guards = guards
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a build needs its on-disk key (to load, store or name saved graphs)."""
+        return self.store is not None or self.save_to is not None
+
+    def key(
+        self, module: torch.nn.Module, state: ModuleState, call_key: CallKey, device: torch.device
+    ) -> str | None:
+        """The static part of the on-disk key; None without a store, or when a class of the
+        tree has no source file to hash (REPL, exec)."""
+        if not self.enabled:
+            return None
+        sources = source_digest(module)
+        if sources is None:
+            return None
+        return static_key(
+            cls=self.cls,
+            sources=sources,
+            state=state,
+            key=call_key.persistent(),
+            device=device,
+            opset=self.opset,
+        )
+
+    def load(self, static: str, module: torch.nn.Module) -> Recipe | None:
+        if self.store is None:
+            return None
+        paths = self.store.paths(static)
+        stored = self.store.load(static, full_key(static, module, paths))
+        if stored is None:
+            return None
+        recipe = recipe_from(stored, self.cls)
+        if recipe is None:
+            return None
+        if self.guards is not None:
+            self.guards.adopt(module, paths)
+        return recipe
+
+    def save(
+        self,
+        module: torch.nn.Module,
+        recipe: Recipe,
+        ran_gradient: session.GradientGraph | None,
+        call: FlatCall,
+        grad: bool,
+        static: str | None,
+        base_key: str | None,
+    ) -> None:
+        """Store a built recipe (`static`: its key now, `base_key`: its key when the build
+        started, None when either had none) and write its graphs to `--save-onnx`."""
+        # torch-calling nodes name callables of this process: such graphs cannot be reloaded
+        persistable = not recipe.torch_nodes
+        if persistable and self.store is not None and static is not None and base_key is not None:
+            paths = self.guards.paths() if self.guards is not None else []
+            known = self.store.paths(static)
+            union = known + [p for p in paths if p not in known]
+            meta = meta_of(recipe)
+            if meta is not None:
+                self.store.save(
+                    static, full_key(static, module, union), meta, graphs_of(recipe), union
+                )
+        if self.save_to is not None:
+            name = static or digest(repr(call.signature))
+            # the graphs the sessions run, torch-calling gradient nodes included
+            ran = (
+                recipe
+                if ran_gradient is None
+                else dataclasses.replace(recipe, gradient=ran_gradient)
+            )
+            save_onnx(self.save_to, self.cls, grad, module.training, name, ran)

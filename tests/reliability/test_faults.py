@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher, report
-from ort_autopatch.engine import EngineError, EngineOptions, ExecutionError, module_engine, runtime
+from ort_autopatch.engine import EngineError, EngineOptions, ExecutionError, persist, runtime
 from ort_autopatch.policy import Fallback
 from tests.helpers import repatch
 
@@ -38,7 +38,7 @@ class Net(nn.Module):
 @pytest.fixture(autouse=True)
 def _patched() -> Iterator[None]:
     report.reset()
-    module_engine._stores.clear()
+    persist._stores.clear()
     patcher.patch(Net)
     yield
     patcher.unpatch_all()

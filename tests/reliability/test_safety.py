@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
-from ort_autopatch.engine import EngineOptions, ModuleEngine, module_engine
+from ort_autopatch.engine import EngineOptions, ModuleEngine, persist
 from ort_autopatch.engine.store import GraphStore, digest_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ class Small(nn.Module):
 
 
 def test_a_checksummed_but_invalid_graph_is_rejected_by_the_checker(tmp_path: Path) -> None:
-    module_engine._stores.clear()
+    persist._stores.clear()
     model = Small()
     ModuleEngine(model, EngineOptions(cache_dir=tmp_path))(torch.randn(3, 4))
     # Replace every stored graph by an invalid one with a matching checksum: only the checker
@@ -78,7 +78,7 @@ def test_a_checksummed_but_invalid_graph_is_rejected_by_the_checker(tmp_path: Pa
         sidecar.write_text(json.dumps(meta))
     with pytest.raises(onnx.checker.ValidationError):
         onnx.checker.check_model(onnx.load_from_string(bad))
-    module_engine._stores.clear()
+    persist._stores.clear()
     engine = ModuleEngine(model, EngineOptions(cache_dir=tmp_path))
     x = torch.randn(3, 4)
     torch.testing.assert_close(engine(x), model.fc(x))
@@ -86,7 +86,7 @@ def test_a_checksummed_but_invalid_graph_is_rejected_by_the_checker(tmp_path: Pa
 
 
 def test_nothing_but_onnx_and_json_is_read_from_the_folder(tmp_path: Path) -> None:
-    module_engine._stores.clear()
+    persist._stores.clear()
     model = Small()
     ModuleEngine(model, EngineOptions(cache_dir=tmp_path))(torch.randn(3, 4))
     for sidecar in tmp_path.rglob("*.json"):
@@ -95,7 +95,7 @@ def test_nothing_but_onnx_and_json_is_read_from_the_folder(tmp_path: Path) -> No
     store = GraphStore(tmp_path)
     suffixes = {p.suffix for p in tmp_path.rglob("*") if p.is_file()}
     assert suffixes == {".onnx", ".json", ".pkl"}
-    module_engine._stores.clear()
+    persist._stores.clear()
     engine = ModuleEngine(model, EngineOptions(cache_dir=tmp_path))
     engine(torch.randn(3, 4))
     assert engine.records[0].from_disk and store.usable

@@ -1,0 +1,105 @@
+"""A cached graph as a call runs it: the hot path below the cache lookup.
+
+An `Entry` is a recipe made runnable: its sessions, where each feed comes from (an argument
+of the call or one of the module's tensors) and what the run changes besides its outputs.
+Nothing here builds anything; `build.py` makes entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine import bridge, export, session, signature
+from ort_autopatch.engine.errors import ExecutionError
+from ort_autopatch.engine.recipe import Recipe
+from ort_autopatch.engine.state import ModuleState
+
+
+@dataclass
+class Entry:
+    training: bool
+    program: Any
+    step: bridge.Step
+    # per feed: (True, user tensor index) or (False, index into ModuleState.tensors)
+    feeds: list[tuple[bool, int]]
+    output_spec: export.OutputSpec
+    recipe: Recipe
+    # the gradient graph the session runs when it is not the recipe's (`_for_device`)
+    gradient: session.GradientGraph | None = None
+    torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
+    kept: bridge.KeptValues = field(init=False)  # ORT's values of the module's tensors
+    graph: bridge.TrainingGraph = field(init=False)  # what a training call's Function takes
+
+    def __post_init__(self) -> None:
+        self.kept = bridge.KeptValues([k for k, (user, _) in enumerate(self.feeds) if not user])
+        self.graph = bridge.TrainingGraph(self.program, self.step, self.kept)
+
+    def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
+        user, tensors = call.tensors, state.tensors
+        feeds = [user[i] if is_user else tensors[i] for is_user, i in self.feeds]
+        checks = self.recipe.checks
+        before = Undo(self.step) if checks else None
+        outputs: Sequence[torch.Tensor]
+        try:
+            if self.training:
+                outputs = bridge.train(self.graph, feeds, recompute)
+            else:
+                outputs = bridge.run_inference(self.program, self.step, feeds, self.kept)
+        except ExecutionError as exc:
+            if before is None or call.shapes() == self.recipe.traced_shapes:
+                raise  # a failure of the graph itself, not of sizes it was not traced for
+            # A graph that froze sizes (checks) and fails on other sizes: its structure
+            # follows them (a split over time), so it is one graph per shape from now on.
+            before.undo()
+            raise Specialises(checks[0].hazard.where) from exc
+        if checks:
+            computed, at = outputs[-1].tolist(), 0
+            for check in checks:
+                width = check.width
+                got = computed[at : at + width] if check.is_list else computed[at]
+                at += width
+                if not check.holds(got):
+                    assert before is not None
+                    before.undo()
+                    raise Specialises(check.hazard.where)
+        result = self.output_spec.rebuild(outputs)
+        if type(result) is export.BufferUpdates:
+            with torch.no_grad():
+                for name, value in result.buffers.items():
+                    tensors[state.index[name]].copy_(value)
+            result = result.output
+        return result
+
+
+class Specialises(Exception):
+    """A graph's check failed for this call: the model specialises on sizes after all."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+class Undo:
+    """What a graph run changes besides its outputs (the RNG draw that seeds dropout, BatchNorm
+    running statistics), saved so a run whose checks fail leaves no trace."""
+
+    def __init__(self, step: bridge.Step) -> None:
+        self.rng = torch.random.get_rng_state() if step.seeds_dropout else None
+        self.buffers = [
+            (b, b.detach().clone())
+            for update in step.batch_norms
+            if (bn := update.module()) is not None
+            for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+            if b is not None
+        ]
+
+    def undo(self) -> None:
+        if self.rng is not None:
+            torch.random.set_rng_state(self.rng)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)

@@ -1,0 +1,102 @@
+"""The engine's data: its options, a built graph as plain data (`Recipe`), what a build cost
+(`BuildRecord`) and what a build is asked for (`Miss`).
+
+Kept apart from the code that runs and builds graphs so that the persistent cache
+(`persist.py`) and the backends can name these types without importing the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine import export, hazards, session
+from ort_autopatch.engine.callkey import Shapes
+from ort_autopatch.engine.signature import FlatCall
+from ort_autopatch.engine.state import ModuleState
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Plain settings; the engine never reads configuration files or the environment."""
+
+    opset: int = 17
+    threads: int | None = None  # None: follow torch.get_num_threads()
+    cache_size: int = 8
+    cache_dir: Path | None = None  # persistent graph cache
+    save_onnx: Path | None = None  # folder to write exported and gradient graphs
+    # ATen operators ("aten::einsum") that always run as torch-calling nodes, and those that
+    # never do (fnmatch patterns); any other operator becomes one only when ORT cannot export
+    # or differentiate it.
+    torch_ops: tuple[str, ...] = ()
+    no_torch_ops: tuple[str, ...] = ()
+    verify: int = 0  # calls of each new graph key also run eagerly and compared (verify.py)
+    # calls in a row with one input shape after which that shape gets a static-shape graph of
+    # its own (callkey.HotShapes; 0: never)
+    static_after: int = 8
+    # gradient nodes may call torch through the compiled ATen executor (aten_nodes.py)
+    compile_executor: bool = True
+    # graphs serving one input shape allocate from the shared CPU arena (session.shared_arena)
+    memory_arena: bool = True
+
+
+@dataclass
+class BuildRecord:
+    """What one build cost and why it happened, for reports."""
+
+    reason: str
+    export_seconds: float
+    build_seconds: float
+    training: bool
+    from_disk: bool = False
+    # operators running as torch-calling nodes in the graph built ("aten::cummax": 2)
+    torch_nodes: dict[str, int] = field(default_factory=dict)
+    per_shape: bool = False  # keyed by its input shapes (the model specialises on sizes)
+    hot_shape: bool = False  # a static-shape graph for an input shape that kept coming back
+
+
+@dataclass
+class Recipe:
+    """A graph and how to feed and read it, as plain data (what the persistent cache stores)."""
+
+    training: bool
+    forward_model: bytes  # the exported graph after the passes
+    gradient: session.GradientGraph | None
+    # graph input name -> ("input", flat tensor index) or ("state", qualified tensor name)
+    feed_sources: dict[str, tuple[str, Any]]
+    num_user_outputs: int
+    output_spec: export.OutputSpec
+    batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
+    seeds_dropout: bool
+    optimized: bytes | None = None  # ORT's optimised form of the graph that runs
+    torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
+    checks: list[hazards.Check] = field(default_factory=list)  # the last user outputs
+    traced_shapes: tuple[tuple[int, ...], ...] | None = None  # the example's input shapes
+
+
+@dataclass
+class Miss:
+    """One build request: the call that missed the cache and everything its graph depends on.
+
+    `per_shape` says whether the graph serves only the call's input shapes; a build may turn
+    it on (the trace froze sizes, or ORT needs static shapes), never off.
+    """
+
+    module: torch.nn.Module
+    state: ModuleState
+    call: FlatCall
+    grad: bool  # the graph has a backward graph (a training call)
+    device: torch.device
+    hot: Shapes | None  # the input shapes that earned a static-shape graph of their own
+    per_shape: bool  # every graph of this module serves one input shape
+
+    def shapes(self) -> Shapes | None:
+        """The input shapes the graph is built and keyed for, or None for a dynamic graph."""
+        return self.call.shapes() if self.per_shape else self.hot
+
+    def one_shape(self) -> bool:
+        """Whether the graph serves one input shape (it may allocate from a shared arena)."""
+        return self.hot is not None or self.per_shape

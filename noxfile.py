@@ -2,6 +2,7 @@
 
 - `demo`: examples/train_mlp.py through the launcher, with its summary.
 - `tests`: the test suite; it then runs `tests_transformers5`.
+- `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
 - `lint`: ruff, ruff format, mypy and the README's generated option table.
 - `bench`: every benchmark; results in benchmarks/results/*.json.
@@ -31,14 +32,24 @@ def _install(session: nox.Session, *extra: str) -> None:
     session.install("-e", ".[cpu]", *extra)
 
 
+# setuptools: test_processes builds the wheel without build isolation.
+TEST_DEPS = ("pytest", "pytest-timeout", "setuptools", TRANSFORMERS, ACCELERATE, "numpy")
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite (CPU, onnxruntime-training-cpu)."""
-    # setuptools: test_processes builds the wheel without build isolation.
-    _install(session, "pytest", "pytest-timeout", "setuptools", TRANSFORMERS, ACCELERATE, "numpy")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    """The test suite (CPU, onnxruntime-training-cpu); prints its slowest tests and its time."""
+    _install(session, *TEST_DEPS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
     if not session.posargs:
         session.notify("tests_transformers5")
+
+
+@nox.session(python=PYTHON)
+def tests_fast(session: nox.Session) -> None:
+    """The quick loop for every change (under 3 minutes on 2 cores): tests marked `fast`."""
+    _install(session, *TEST_DEPS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "fast", *session.posargs)
 
 
 # The tests that touch transformers, again with its current major version: transformers 5

@@ -2,7 +2,8 @@
 comparison inside a helper explains itself as one in a test does; and no test may let a line
 of ONNX Runtime's C++ logger reach stderr (errors reach users through the tool's messages);
 and the ATen executor is compiled before the first test (as a user's first CPU training step
-would), so no test's own time limit pays for the build."""
+would), so no test's own time limit pays for the build. FAST names the quick loop
+(`nox -s tests_fast`, `pytest -m fast`)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,48 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     if aten_nodes.compiler() is not None:
         aten_nodes.build(aten_nodes.default_folder())
+
+
+# The quick loop a developer runs on every change (`nox -s tests_fast`, under 3 minutes on two
+# cores): the unit-level files whole, and from each area's slower files one parity test, chosen
+# by measured durations (`pytest --durations`). A name here that no longer exists is an error
+# of `-m fast`, so a rename cannot shrink the loop unnoticed.
+FAST_FILES = {
+    "tests/test_build_safety.py",
+    "tests/test_callkey.py",
+    "tests/test_config.py",
+    "tests/test_engine_reporting.py",
+    "tests/test_errors.py",
+    "tests/test_feedback.py",
+    "tests/test_graph_passes.py",
+    "tests/test_objects.py",
+    "tests/test_policy.py",
+    "tests/test_runtime.py",
+    "tests/test_symbolics.py",
+    "tests/test_tracing.py",
+    "tests/test_versions.py",
+}
+FAST_TESTS: set[str] = set()  # "tests/file.py::test_name", every parametrization of it
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    collected: set[str] = set()  # files and tests this run collected
+    for item in items:
+        file = item.path.relative_to(root).as_posix()
+        test = f"{file}::{getattr(item, 'originalname', item.name)}"
+        collected.update((file, test))
+        if file in FAST_FILES or test in FAST_TESTS:
+            item.add_marker(pytest.mark.fast)
+    if config.option.markexpr != "fast":
+        return
+    missing = {
+        name
+        for name in FAST_FILES | FAST_TESTS
+        if not (root / name.split("::")[0]).is_file()
+        or (name.split("::")[0] in collected and name not in collected)
+    }
+    if missing:
+        raise pytest.UsageError(
+            f"tests/conftest.py FAST names what does not exist: {sorted(missing)}"
+        )

@@ -323,5 +323,6 @@ def test_a_short_soak_keeps_memory_and_caches_bounded(tmp_path: Path) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)  # its subprocess may take 3000 s
 def test_soak_2000_steps_of_two_models_with_varying_shapes(tmp_path: Path) -> None:
     _check_soak(_soak(2000, tmp_path))

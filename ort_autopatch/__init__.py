@@ -33,6 +33,7 @@ __all__ = [
     "load_config",
     "mark_stale",
     "patch",
+    "refused_reason",
     "uninstall",
     "unmatched_patterns",
     "unpatch",
@@ -42,12 +43,13 @@ _log = logging.getLogger("ort_autopatch")
 _lock = threading.Lock()
 _hook: ImportHook | None = None
 _active_config: Config | None = None
+_refused: str | None = None  # why the last install() accelerated nothing (for the report)
 
 
 def install(config: Config | None = None) -> bool:
     """Patch the configured classes now and as they appear; False if already installed or
     disabled (`ORT_AUTOPATCH_ENABLED=0` installs nothing, not even a finder)."""
-    global _hook, _active_config
+    global _hook, _active_config, _refused
     config = config or load_config()
     with _lock:
         if _hook is not None:
@@ -71,7 +73,9 @@ def install(config: Config | None = None) -> bool:
             _log.warning(
                 "ort_autopatch: nothing is accelerated, the script runs in PyTorch: %s", reason
             )
+            _refused = reason
             return False
+        _refused = None
         from ort_autopatch.hook import ImportHook, Selector
 
         on_class = functools.partial(_patch_found_class, config)
@@ -101,6 +105,12 @@ def unmatched_patterns() -> list[str]:
     """Allowlist entries that have matched no class so far (for the exit report)."""
     with _lock:
         return _hook.selector.unmatched() if _hook is not None else []
+
+
+def refused_reason() -> str | None:
+    """Why the last `install()` accelerated nothing (an untested torch, no usable ONNX
+    Runtime), for the exit report; None when it installed or was never asked to."""
+    return _refused
 
 
 def installed_config() -> Config | None:

@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import Any
 
-from ort_autopatch import feedback, install, unmatched_patterns
+from ort_autopatch import feedback, install, refused_reason, unmatched_patterns
 from ort_autopatch import report as _report
 from ort_autopatch.config import Config, load_config
 from ort_autopatch.errors import OrtAutopatchError
@@ -95,7 +95,10 @@ def activate(config: Config, own_output: bool = False) -> bool:
     rank = current_rank()
     installed = install(config)
     _configure_logging(config.log_level, rank, own_output)
-    if installed and _claims_report(rank):
+    # A run the tool refused (an untested torch, no ONNX Runtime) still owes the report that
+    # was asked for, saying why nothing was accelerated.
+    owes = installed or (refused_reason() is not None and _wants_output(config))
+    if owes and _claims_report(rank):
         # Import now what writing needs: an import while the interpreter finalizes resets its
         # "KeyboardInterrupt went unhandled" flag, and ^C would then exit 1 instead of by SIGINT.
         _report.prepare()
@@ -189,8 +192,8 @@ def tell_selection(data: dict[str, Any], selected: bool) -> None:
 def finish_report(config: Config, rank: int | None) -> None:
     """Say what the selection did, and write the JSON report and/or the text summary this
     process owes (rank rules apply)."""
-    data = _report.build(unmatched_patterns())
-    if not rank:
+    data = _report.build(unmatched_patterns(), refused=refused_reason())
+    if not rank and data["refused"] is None:  # a refusal was said when it happened
         tell_selection(data, selected=bool(config.modules))
     target = config.report
     if target and target != "-":

@@ -22,7 +22,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ort_autopatch import __version__
-from ort_autopatch.config import ENV_VARS, OPTIONS, Config, add_arguments, cli_values, load_config
+from ort_autopatch.config import (
+    BY_NAME,
+    ENV_VARS,
+    OPTIONS,
+    Config,
+    add_arguments,
+    cli_values,
+    load_config,
+)
 from ort_autopatch.errors import ConfigError
 
 __all__ = ["BOOTSTRAP_DIR", "build_parser", "check", "export_environment", "main"]
@@ -481,6 +489,7 @@ def check(config: Config) -> tuple[str, bool]:
     row = "  {:<14}{}".format
     lines.append(row("Python", f"{platform.python_version()} ({sys.executable})"))
     problems: list[str] = []
+    notes: list[str] = []  # what runs, though not as tested
     try:
         import torch
 
@@ -489,8 +498,11 @@ def check(config: Config) -> tuple[str, bool]:
         from ort_autopatch import versions
 
         untested = versions.untested_torch_reason(str(torch.__version__))
-        if untested is not None:
-            problems.append(untested)
+        if untested is not None and config.untested_torch:
+            notes.append(f"{untested}; tried anyway ({BY_NAME['untested_torch'].flag})")
+        elif untested is not None:
+            opt = BY_NAME["untested_torch"]
+            problems.append(f"{untested}, or set {opt.env}=1 ({opt.flag}) to try this one")
     except Exception as exc:  # a broken torch is exactly what --check is for
         lines.append(row("torch", f"cannot import: {exc}"))
         problems.append(f"torch does not import: {exc}")
@@ -521,6 +533,7 @@ def check(config: Config) -> tuple[str, bool]:
     ok = not problems
     lines.append(row("accelerate", "yes" if ok else "no"))
     lines.extend(f"  problem: {p}" for p in problems)
+    lines.extend(f"  note: {n}" for n in notes)
     lines.append("  configuration (options > ORT_AUTOPATCH_* > pyproject.toml > defaults):")
     environment = config.to_env()
     lines.extend(f"    {opt.env}={environment[opt.env]}" for opt in OPTIONS)

@@ -135,9 +135,15 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def build(unmatched: list[str]) -> dict[str, Any]:
-    """The report (docs/report.md): versions, per-class counters, patterns that matched nothing."""
-    return {**versions(), "classes": snapshot(), "unmatched": list(unmatched)}
+def build(unmatched: list[str], refused: str | None = None) -> dict[str, Any]:
+    """The report (docs/report.md): versions, why nothing was accelerated if the tool refused
+    the run, per-class counters, patterns that matched nothing."""
+    return {
+        **versions(),
+        "refused": refused,
+        "classes": snapshot(),
+        "unmatched": list(unmatched),
+    }
 
 
 def report_path(template: str, rank: int | None) -> str | None:
@@ -166,7 +172,9 @@ def summary(data: dict[str, Any], max_classes: int = 12) -> str:
         f"(torch {data.get('torch')}, onnxruntime {data.get('onnxruntime')})"
     ]
     classes: dict[str, dict[str, Any]] = data.get("classes", {})
-    if not classes:
+    if data.get("refused"):
+        lines.append(f"  nothing accelerated, the script ran in PyTorch: {data['refused']}")
+    elif not classes:
         lines.append("  no selected class was created in this process")
     else:
         width = min(max(len(name) for name in classes), 48)

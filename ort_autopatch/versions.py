@@ -11,8 +11,17 @@ from __future__ import annotations
 
 from importlib import metadata
 
-#: torch releases (major, minor) the test suite runs on; keep pyproject.toml's range equal.
-TESTED_TORCH = ((2, 13),)
+#: torch releases (major, minor) the test suite runs on, oldest first and without gaps; keep
+#: pyproject.toml's range equal (README's compatibility table says what ran on which).
+TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
+
+
+def tested_range() -> str:
+    """The tested releases in words: `2.13.x to 2.15.x`."""
+    (major, first), (_, last) = TESTED_TORCH[0], TESTED_TORCH[-1]
+    if first == last:
+        return f"{major}.{first}.x"
+    return f"{major}.{first}.x to {major}.{last}.x"
 
 
 def installed_torch() -> str | None:
@@ -24,7 +33,7 @@ def installed_torch() -> str | None:
 
 def untested_torch_reason(version: str | None) -> str | None:
     """Why `version` of torch is not one this tool is tested with, or None if it is."""
-    tested = " or ".join(f"{major}.{minor}.x" for major, minor in TESTED_TORCH)
+    tested = tested_range()
     if version is None:
         return "torch is not installed"
     try:

@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import textwrap
 
+from ort_autopatch import versions
 from ort_autopatch.cli import BOOTSTRAP_DIR
 from tests.proc_helpers import LAUNCHER, PY, REPO, run
 
@@ -301,5 +302,7 @@ def test_bootstrap_ships_in_the_wheel(tmp_path: pathlib.Path) -> None:
     # The declared torch range is the tested one (ort_autopatch/versions.py), and TOML is
     # readable on Python 3.10.
     (torch_requirement,) = [r for r in requires if r.startswith("torch")]
-    assert sorted(torch_requirement.removeprefix("torch").split(",")) == ["<2.14", ">=2.13"]
+    (major, first), (_, last) = versions.TESTED_TORCH[0], versions.TESTED_TORCH[-1]
+    declared = sorted(torch_requirement.removeprefix("torch").split(","))
+    assert declared == [f"<{major}.{last + 1}", f">={major}.{first}"]
     assert any(r.startswith("tomli") and 'python_version < "3.11"' in r for r in requires)

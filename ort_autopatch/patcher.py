@@ -35,7 +35,7 @@ from ort_autopatch.engine import (
     hazards,
     is_exporting,
 )
-from ort_autopatch.engine.errors import SideEffectError
+from ort_autopatch.engine.errors import ExecutionError, SideEffectError
 from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
 from ort_autopatch.hooks import forward_without_hooks, run_post_hooks, run_pre_hooks
@@ -285,7 +285,12 @@ class _Instance:
         settings = self.settings
         if self.engine is None:
             self.engine = ModuleEngine(
-                module, settings.engine, forward=self._recording_forward, guards=self, weak=True
+                module,
+                settings.engine,
+                forward=self._recording_forward,
+                guards=self,
+                weak=True,
+                backward_failed=self._backward_failed,
             )
         engine = self.engine
         reason = _needs_eager(module, engine)
@@ -384,7 +389,13 @@ class _Instance:
             value = getattr(result, name)
             stats.verify_worst[name] = max(stats.verify_worst.get(name, 0.0), value)
 
-    def _fallback(self, exc: Exception, context: str | None = None) -> None:
+    def _backward_failed(self, exc: ExecutionError) -> None:
+        """A graph's backward failed in the user's backward (its forward ran in ORT, so that
+        step cannot run in PyTorch instead): recorded and warned now, as the engine runs the
+        class's later training calls in PyTorch."""
+        self._fallback(exc, eager=False)
+
+    def _fallback(self, exc: Exception, context: str | None = None, eager: bool = True) -> None:
         if isinstance(exc, EngineError):
             reason, cause, remedy = exc.reason, exc.cause, exc.remedy
         else:
@@ -393,7 +404,8 @@ class _Instance:
             reason = f"{reason} under {context}"
         with self.stats.lock:
             self.stats.fallbacks[(reason, cause)] += 1
-            self.stats.eager_calls[f"fallback: {reason}"] += 1
+            if eager:
+                self.stats.eager_calls[f"fallback: {reason}"] += 1
         key = (self.name, reason)
         if key not in _warned:
             _warned.add(key)

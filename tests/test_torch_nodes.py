@@ -319,6 +319,83 @@ def test_error_inside_a_torch_calling_node_is_reported_with_its_cause() -> None:
     assert torch_nodes.live_contexts() == live
 
 
+class SqueezeExcite(nn.Module):
+    """mobilenet_v3's block: hardswish features times a hardsigmoid channel scale, both
+    torch-calling nodes, broadcast over the spatial axes (and added, for Add's gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.reduce = nn.Conv2d(8, 4, 1)
+        self.expand = nn.Conv2d(4, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.hardswish(self.conv(x))
+        s = F.adaptive_avg_pool2d(h, 1)
+        s = F.hardsigmoid(self.expand(F.relu(self.reduce(s))))
+        return h * s + s
+
+
+def test_two_torch_calling_nodes_feeding_a_broadcasting_op_get_reduced_gradients() -> None:
+    torch.manual_seed(11)
+
+    def inputs(step: int):
+        size = (2, 4, 3, 5)[step % 4]  # the broadcast axes change size from call to call
+        return (torch.randn(_batch(step), 3, size, size + 1, generator=_gen(step)),), {}
+
+    run = assert_training_parity(SqueezeExcite(), inputs, steps=STEPS, rtol=RTOL, atol=ATOL)
+    assert {"aten::hardswish", "aten::hardsigmoid"} <= set(_torch_nodes(run.engine))
+
+
+def test_a_failed_backward_is_reported_and_later_calls_run_in_pytorch() -> None:
+    from ort_autopatch import patcher, report
+
+    class FailsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            raise ValueError("boom in the user's backward")
+
+    class BackwardFails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return FailsInBackward.apply(self.fc(x)) if not self.eager else self.fc(x) * 2
+
+        eager = False
+
+    report.reset()
+    patcher.patch(BackwardFails)
+    try:
+        model = BackwardFails()
+        name = patcher.class_name(BackwardFails)
+        out = model(torch.randn(3, 4))
+        assert report.snapshot()[name]["ort_calls"] == 1
+        # the forward ran in ORT: this step's backward cannot run in PyTorch instead
+        with pytest.raises(ExecutionError, match="failed in backward: ValueError: boom"):
+            out.sum().backward()
+        entry = report.snapshot()[name]
+        assert [f["detail"] for f in entry["fallbacks"]] == [
+            "a torch-calling node failed in backward: ValueError: boom in the user's backward"
+        ]
+        BackwardFails.eager = True  # the eager forward of the later calls can be differentiated
+        model(torch.randn(3, 4)).sum().backward()
+        entry = report.snapshot()[name]
+        assert entry["ort_calls"] == 1 and entry["eager_calls"] == 1
+        assert entry["eager_reasons"] == [{"reason": "fallback: execution failed", "count": 1}]
+        with torch.no_grad():  # inference graphs have no backward to fail
+            model(torch.randn(3, 4))
+        assert report.snapshot()[name]["ort_calls"] == 2
+    finally:
+        patcher.unpatch(BackwardFails)
+        report.reset()
+
+
 # -- operators ORT cannot export or differentiate ----------------------------------------------
 class Cumulative(nn.Module):
     def __init__(self) -> None:
@@ -418,6 +495,32 @@ def test_integer_bitwise_operators_run_in_the_graph() -> None:
     assert set(_torch_nodes(run.engine)) >= {"aten::__or_"}
 
 
+class BitsOfAnAttribute(nn.Module):
+    """ORTModule's API test: integer bitwise operators of a plain tensor attribute (traced as
+    a constant); int32 flags against the int64 attribute promote to int64, as in eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.other = torch.tensor([1, 2, 4, 8, 3, 5])
+
+    def forward(self, x: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        mixed = torch.bitwise_or(flags, self.other) ^ (flags & self.other)
+        return self.fc(x) * mixed.to(x.dtype) + torch.bitwise_and(flags, 6).to(x.dtype)
+
+
+def test_integer_bitwise_operators_of_a_tensor_attribute_run_in_the_graph() -> None:
+    torch.manual_seed(8)
+
+    def inputs(s: int):
+        b = _batch(s)
+        flags = torch.randint(0, 16, (b, 6), generator=_gen(s), dtype=torch.int32)
+        return (torch.randn(b, 6, generator=_gen(s)), flags), {}
+
+    run = assert_training_parity(BitsOfAnAttribute(), inputs, steps=STEPS, rtol=RTOL, atol=ATOL)
+    assert set(_torch_nodes(run.engine)) >= {"aten::bitwise_or", "aten::bitwise_and"}
+
+
 class Pooling(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -504,6 +607,33 @@ def test_interpolate_nearest_bilinear_bicubic_train_in_the_graph() -> None:
     assert {"aten::upsample_nearest2d", "aten::upsample_bilinear2d"} <= set(
         _torch_nodes(run.engine)
     )
+
+
+class Nearest(nn.Module):
+    """ORTModule's `test_aten_upsample_nearest`: nearest upsampling of 1, 2 and 3 spatial
+    dimensions, to a size or by a factor (the 1d `.vec` overload takes no size then)."""
+
+    def __init__(self, dims: int, resize: dict[str, Any]) -> None:
+        super().__init__()
+        self.conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1](2, 2, 1)
+        self.resize = resize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(self.conv(x), mode="nearest", **self.resize)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("resize", [{"size": 7}, {"scale_factor": 2.0}, {"scale_factor": 1.5}])
+def test_nearest_upsampling_to_a_size_or_by_a_factor(dims: int, resize: dict[str, Any]) -> None:
+    torch.manual_seed(12)
+
+    def inputs(s: int):
+        return (torch.randn(_batch(s), 2, *[4 + s % 2] * dims, generator=_gen(s)),), {}
+
+    run = assert_training_parity(
+        Nearest(dims, resize), inputs, steps=STEPS, rtol=RTOL, atol=ATOL, expect_builds=None
+    )
+    assert f"aten::upsample_nearest{dims}d" in _torch_nodes(run.engine)
 
 
 class Norms(nn.Module):

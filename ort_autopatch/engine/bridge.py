@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,9 @@ class Step:
     num_user_outputs: int
     batch_norms: list[BatchNormUpdate]
     seeds_dropout: bool
+    # told of a backward that failed (the forward already ran here: no eager fallback for
+    # this step), so later calls run in PyTorch and the report says why
+    backward_failed: Callable[[ExecutionError], None] | None = None
 
 
 class KeptValues:
@@ -280,7 +283,10 @@ def _run_backward(
         with on_stream(program.stream) as caller:
             program.agent.run_backward(_push(grads), results, run.state)
     except Exception as exc:
-        raise _failure(step, "backward", exc) from torch_nodes.take_error() or exc
+        failure = _failure(step, "backward", exc)
+        if step.backward_failed is not None:
+            step.backward_failed(failure)
+        raise failure from torch_nodes.take_error() or exc
     finally:
         run.state = None
     tensors = _tensors(results, caller)

@@ -26,6 +26,7 @@ from ort_autopatch.engine.callkey import KeyMaker
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
     DataDependentError,
+    ExecutionError,
     ExportError,
     GradientBuildError,
     SessionError,
@@ -65,8 +66,10 @@ class Builder:
         keys: KeyMaker,
         persistence: Persistence,
         settings: session.SessionSettings,
+        backward_failed: Callable[[ExecutionError], None] | None = None,
     ) -> None:
         self._cls = cls
+        self._backward_failed = backward_failed  # told when a graph's backward fails
         self.options = options
         self._forward = forward
         self._keys = keys
@@ -282,6 +285,7 @@ class Builder:
         frozen = graph.embedding_padding(model, padding) if grad and padding else []
         if grad:
             graph.eval_batch_norm_arithmetic(model)
+            graph.torch_node_shapes_unknown(model)
         stats = graph.batch_norm_statistics(model)
 
         user_index = {name: k for k, name in enumerate(exported.user_input_names)}
@@ -374,7 +378,13 @@ class Builder:
             bn = state.module_named(name)
             if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
                 batch_norms.append(bridge.BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
-        step = bridge.Step(self._cls, recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
+        step = bridge.Step(
+            self._cls,
+            recipe.num_user_outputs,
+            batch_norms,
+            recipe.seeds_dropout,
+            self._backward_failed,
+        )
         capture = self._persistence.store is not None and recipe.optimized is None
         if recipe.gradient is not None:
             swapped = self._for_device(recipe, miss, progress)

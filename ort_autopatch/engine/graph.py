@@ -14,8 +14,9 @@ from onnx import TensorProto, helper
 #: Bumped whenever a pass changes what it emits; part of every persistent cache key.
 #: 3: torch-calling nodes (torch_nodes.py); 4: GroupNorm decomposed; 5: constant-index GatherGrad
 #: as SliceGrad, or one padded Concat (`gather_grad_as_slice_grad`); 6: packed q/k/v picked
-#: without the transpose (`gather_without_axis_move`)
-GRAPH_FIX_VERSION = 6
+#: without the transpose (`gather_without_axis_move`); 7: torch-calling nodes' outputs
+#: reshaped to their own shape (`torch_node_shapes_unknown`)
+GRAPH_FIX_VERSION = 7
 
 
 def _unique(model: onnx.ModelProto, base: str) -> str:
@@ -394,6 +395,44 @@ def torch_node_mode(model: onnx.ModelProto, training: bool) -> int:
                 if attr.name == "training_mode":
                     attr.i = int(training)
             changed += 1
+    return changed
+
+
+def torch_node_shapes_unknown(model: onnx.ModelProto) -> int:
+    """Pass each torch-calling node's outputs through `Reshape(y, Shape(y))` in a graph that
+    gets a gradient, so ORT's gradient builder sees their sizes as unknown.
+
+    ORT 1.19.2's shape inference gives every output of every `PythonOp` the same symbolic
+    sizes (`PythonOp_unknown_rank_0`, `_1`, ...), and its gradient builder takes two equal
+    symbols as equal sizes: the gradient of `Mul(a, b)` with `a` [4, 576, 2, 2] and `b`
+    [4, 576, 1, 1], both from torch-calling nodes (mobilenet_v3's hardswish times its
+    hardsigmoid squeeze-excitation scale), was built without the sum over the broadcast
+    axes, and `b`'s node got a [4, 576, 2, 2] gradient for a [4, 576, 1, 1] output. A
+    Reshape to a computed shape has a rank and no sizes, which sends the builder to its
+    run-time path (`BroadcastGradientArgs`, a sum over the axes the shapes broadcast). ORT
+    runs such a Reshape as an alias: no copy.
+    """
+    from onnx import helper
+
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in model.graph.node:
+        nodes.append(node)
+        if node.op_type != "PythonOp" or node.domain != "com.microsoft":
+            continue
+        for k in range(1, len(node.output)):
+            name = node.output[k]
+            if not name:
+                continue
+            # the node's output takes a new name; the Reshape gives its readers the old one
+            produced = _unique(model, f"{name}__torch")
+            shape = _unique(model, f"{name}__shape")
+            node.output[k] = produced
+            nodes.append(helper.make_node("Shape", [produced], [shape]))
+            nodes.append(helper.make_node("Reshape", [produced, shape], [name]))
+            changed += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     return changed
 
 

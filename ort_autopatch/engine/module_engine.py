@@ -22,6 +22,7 @@ from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, S
 from ort_autopatch.engine.entry import Entry, Specialises
 from ort_autopatch.engine.errors import (
     EngineError,
+    ExecutionError,
     MixedDevicesError,
     UnsupportedInputError,
 )
@@ -58,8 +59,13 @@ class ModuleEngine:
         forward: Callable[..., Any] | None = None,
         guards: Guards | None = None,
         weak: bool = False,
+        backward_failed: Callable[[ExecutionError], None] | None = None,
     ) -> None:
         self.options = options or EngineOptions()
+        self._backward_failed = backward_failed
+        # a training graph's backward failed: its forward had run in ORT, so that step could
+        # not run in PyTorch instead, but every later training call does
+        self.backward_failure: ExecutionError | None = None
         self._module = weakref.ref(module)
         self._strong = None if weak else module
         self._cls = type(module).__qualname__
@@ -89,9 +95,21 @@ class ModuleEngine:
                 guards,
             ),
             self.settings,
+            self._on_backward_failure,
         )
         self.records: list[BuildRecord] = self._builder.records
         self.hazards: list[hazards.Hazard] = self._builder.hazards  # trace hazards found
+
+    def _on_backward_failure(self, error: ExecutionError) -> None:
+        """A training graph's backward failed: no training call runs in ORT from now on (each
+        raises `error`, which the caller's fallback policy turns into a PyTorch call), and the
+        caller hears of it now, since this step's own backward raises it to the user."""
+        with self._lock:
+            if self.backward_failure is None:
+                self.backward_failure = error
+                self._trusted = {m: k for m, k in self._trusted.items() if not k.grad}
+        if self._backward_failed is not None:
+            self._backward_failed(error)
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -187,6 +205,8 @@ class ModuleEngine:
             torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors)
         )
         if grad:
+            if self.backward_failure is not None:
+                raise self.backward_failure.with_traceback(None)
             _refuse_empty(self._cls, call)
         else:
             requires = []

@@ -260,6 +260,24 @@ def _python(found: Any, base: str, is_list: bool) -> Any:
     raise NotRoutable(f"a constant of type {base} cannot be rebuilt")
 
 
+def _fits(kind: Any, found: Any) -> bool:
+    """Whether a constant from the trace can be an argument of schema type `kind`: None only
+    where the argument is optional, a list only where it is one, a tensor with dimensions
+    only where a tensor or a list goes."""
+    if found is None:
+        return isinstance(kind, torch._C.OptionalType)
+    if isinstance(kind, torch._C.OptionalType):
+        kind = kind.getElementType()
+    if isinstance(found, list):
+        return isinstance(kind, torch._C.ListType)
+    if isinstance(found, torch.Tensor) and found.dim() > 0:
+        # a tensor constant with dimensions (a plain tensor attribute, traced as a constant):
+        # only a Tensor or a list takes it (`bitwise_or.Tensor`, not `.Scalar`, whose result
+        # would lose the tensor's shape and type promotion)
+        return isinstance(kind, (torch._C.TensorType, torch._C.ListType))
+    return True
+
+
 def _schema_for(name: str, inputs: list[Any]) -> Any:
     """The traced overload: the conversion passes drop node schemas, so the candidates are
     scored by how well constants and tensors fit their arguments."""
@@ -273,10 +291,13 @@ def _schema_for(name: str, inputs: list[Any]) -> Any:
         score = 0
         for argument, value in zip(arguments, inputs, strict=True):
             base, is_list = _describe(argument.type)
-            constant, _ = _constant(value)
+            constant, found = _constant(value)
             tensor_arg = base == "Tensor" and not is_list
             if base == "Tensor" and is_list != symbolic_helper._is_packed_list(value):
                 score = -1
+                break
+            if constant and not _fits(argument.type, found):
+                score = -1  # upsample_nearest1d(self, int[1], float?) taking .vec's None
                 break
             if tensor_arg and not constant:
                 score += 2

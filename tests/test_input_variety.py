@@ -460,3 +460,73 @@ def test_verify_says_a_graph_with_dropout_was_not_verified() -> None:
     stats = class_stats(TensorAttribute)
     assert stats.verified_calls == 0
     assert stats.unverified == {"random operators (Dropout)": 1}
+
+
+class ConvBatchNorm(nn.Module):
+    """resnet's stem in small: eager's BatchNorm saves its running statistics for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x))).mean((2, 3))
+
+
+def test_verify_on_a_batchnorm_model_leaves_training_and_statistics_as_eager() -> None:
+    from ort_autopatch.engine import EngineOptions
+
+    report.reset()
+    patcher.patch(ConvBatchNorm, patcher.Settings(engine=EngineOptions(verify=2)))
+    try:
+        torch.manual_seed(0)
+        model = ConvBatchNorm()
+        eager = copy.deepcopy(model)
+        for step in range(3):
+            x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(step))
+            model(x).square().sum().backward()
+            type(eager).forward(eager, x).square().sum().backward()
+        stats = class_stats(ConvBatchNorm)
+        assert stats.ort_calls == 3 and not stats.eager_calls and not stats.fallbacks
+        assert stats.verified_calls == 2 and stats.verify_mismatches == 0
+        assert not stats.unverified
+        # verification ran each call three times; the statistics moved once per call
+        assert int(model.bn.num_batches_tracked) == 3
+        torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean, **TOL)
+        torch.testing.assert_close(model.bn.running_var, eager.bn.running_var, **TOL)
+        for got, want in zip(_grads(model), _grads(eager), strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+    finally:
+        patcher.unpatch(ConvBatchNorm)
+        report.reset()
+
+
+class EagerSideFails(nn.Module):
+    """Its eager forward raises (the trace does not): the comparison cannot be made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_tracing():
+            raise ValueError("only the traced forward works")
+        return self.fc(x)
+
+
+def test_a_verification_that_cannot_be_made_is_reported_and_the_call_runs() -> None:
+    from ort_autopatch.engine import EngineOptions
+
+    report.reset()
+    patcher.patch(EagerSideFails, patcher.Settings(engine=EngineOptions(verify=1)))
+    try:
+        EagerSideFails()(torch.randn(3, 4)).sum().backward()
+        stats = class_stats(EagerSideFails)
+        assert stats.ort_calls == 1 and stats.verified_calls == 0
+        assert stats.unverified == {
+            "verification failed: ValueError: only the traced forward works": 1
+        }
+    finally:
+        patcher.unpatch(EagerSideFails)
+        report.reset()

@@ -169,7 +169,11 @@ def verify_call(
             copies = _copies(inputs)
             with torch.enable_grad() if grad else torch.no_grad():
                 output = run(copies)
-            saved.restore()
+            # Buffers are restored after the backward, not before: eager's BatchNorm saves its
+            # running statistics for backward, and restoring them in place before
+            # `autograd.grad` raised autograd's "modified by an inplace operation".
+            if not grad:
+                saved.restore()
             leaves = _float_leaves(output)
             gradients: list[torch.Tensor | None] = []
             if grad:
@@ -184,7 +188,7 @@ def verify_call(
                     gradients = list(
                         torch.autograd.grad(differentiable, targets, cotangents, allow_unused=True)
                     )
-                    saved.restore()
+                saved.restore()
             sides.append(([t.detach() for t in leaves], gradients))
         (graph_out, graph_grads), (eager_out, eager_grads) = sides
         if len(graph_out) != len(eager_out):

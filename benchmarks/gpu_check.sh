@@ -65,6 +65,7 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "plan: pip install ${PIP_SOURCE[*]} $ORT_SPEC ${CUDA11_LIBS[*]} ${OTHERS[*]} -e $ROOT"
   echo "plan: python benchmarks/gpu_bench.py --out $OUT --device cuda"
   echo "plan: python benchmarks/bench_fsdp2.py --device cuda --nproc <GPUs, at most 2> (NCCL)"
+  echo "plan: pytest tests/test_torch_nodes.py (CUDA cases), tests/test_autocast.py -k cuda"
   exit 0
 fi
 
@@ -134,6 +135,11 @@ step "torch-calling nodes on CUDA: Functions, routed operators, fused attention 
     -k "cuda or unet or dcgan or straight_through" 2>&1 | tee "$OUT/torch_nodes-cuda.log")
 nodes_status=${PIPESTATUS[0]}
 [ "$status" -ne 0 ] || status=$nodes_status
+step "autocast on CUDA: float16 and bfloat16 calls run in ORT with eager's dtypes and numbers"
+(cd "$ROOT" && timeout "$(left)" "$PY" -m pytest -q -p no:cacheprovider tests/test_autocast.py \
+    -k cuda 2>&1 | tee "$OUT/autocast-cuda.log")
+autocast_status=${PIPESTATUS[0]}
+[ "$status" -ne 0 ] || status=$autocast_status
 set -e
-step "done (exit $status); results in $OUT: gpu_parity.json gpu_steps.json fsdp2-cuda.json torch_nodes-cuda.log gpu_check.log"
+step "done (exit $status); results in $OUT: gpu_parity.json gpu_steps.json fsdp2-cuda.json torch_nodes-cuda.log autocast-cuda.log gpu_check.log"
 exit $status

@@ -407,7 +407,10 @@ class _Instance:
             if eager:
                 self.stats.eager_calls[f"fallback: {reason}"] += 1
         key = (self.name, reason)
-        if key not in _warned:
+        if key not in _warned and getattr(exc, "known_limitation", False):
+            _warned.add(key)
+            log.info("%s runs in PyTorch (%s): %s. %s", self.name, reason, cause, remedy)
+        elif key not in _warned:
             _warned.add(key)
             log.warning(
                 "%s runs in PyTorch (%s): %s. %s%s",

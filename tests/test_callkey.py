@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher, report
+from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.callkey import CallKey, KeyMaker
 from ort_autopatch.engine.module_engine import ModuleEngine
 from ort_autopatch.engine.state import ModuleState
@@ -67,6 +68,18 @@ def test_gradient_mode_and_inputs_are_named_in_the_order_of_the_guards() -> None
     assert _key(maker, grad=False).diff(training) == "gradient mode changed"
     assert _key(maker, inputs=("x", "y")).diff(training) == "new input signature"
     assert _key(maker, shapes=((2, 6),)).diff(training) == "new input shape"
+
+
+def test_entering_autocast_moves_the_key_and_is_named_with_its_dtype() -> None:
+    maker = KeyMaker(ModuleState(Block()), None)
+    requires = maker.state.requires_grad_flags()
+    plain = maker.key(True, ("x",), None, requires)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = maker.key(True, ("x",), None, requires, amp.state("cpu"))
+    assert autocast != plain
+    assert autocast.diff(plain) == "autocast changed (off -> cpu bfloat16)"
+    assert plain.diff(autocast) == "autocast changed (cpu bfloat16 -> off)"
+    assert maker.key(True, ("x",), None, requires) == plain
 
 
 def test_a_parameter_written_straight_into_the_parameters_dict_is_stale() -> None:

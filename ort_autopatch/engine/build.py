@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
+import re
 import threading
 import time
 import weakref
@@ -21,10 +22,12 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import bridge, export, graph, hazards, rng, session, torch_nodes
 from ort_autopatch.engine.callkey import KeyMaker
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
+    AutocastUnsupportedError,
     DataDependentError,
     ExecutionError,
     ExportError,
@@ -42,6 +45,14 @@ log = logging.getLogger("ort_autopatch")
 _STATIC_SHAPE_OPS = ("MaxPool", "AveragePool", "LpPool")
 #: After this many seconds a build says, while it runs, that it is still working.
 SLOW_BUILD_SECONDS = 2.0
+
+
+#: ORT's refusal of a node it has no kernel for (the operator's name is group 1)
+_MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(")
+_AUTOCAST_REMEDY = (
+    "A known limitation: these calls run in PyTorch under this autocast, and calls outside it "
+    "in ONNX Runtime"
+)
 
 
 class _NeedsStaticShapes(Exception):
@@ -83,7 +94,23 @@ class Builder:
     def build(self, miss: Miss, reason: str) -> Entry:
         """Build the graph of one key: for the call's shapes only when the model specialises
         on sizes (`miss.per_shape`, which the build may turn on) or the shapes earned a
-        static-shape graph (`miss.hot`)."""
+        static-shape graph (`miss.hot`). The export runs under the call's autocast state (this
+        thread's), so it traces autocast's casts."""
+        try:
+            return self._build(miss, reason)
+        except SessionError as exc:
+            missing = _MISSING_KERNEL.search(exc.cause)
+            if miss.autocast is None or missing is None:
+                raise
+            raise AutocastUnsupportedError(
+                self._cls,
+                f"ONNX Runtime's {miss.autocast[0]} build has no "
+                f"{amp.describe(miss.autocast).split()[-1]} kernel for {missing.group(1)}, "
+                "which autocast's casts ask for",
+                _AUTOCAST_REMEDY,
+            ) from None
+
+    def _build(self, miss: Miss, reason: str) -> Entry:
         with _progress(self._cls) as progress:
             start = time.perf_counter()
             persisted = self._persistent_key(miss)
@@ -129,7 +156,7 @@ class Builder:
         if not self._persistence.enabled:
             return None
         requires = miss.state.requires_grad_flags() if miss.grad else []
-        key = self._keys.key(miss.grad, miss.call.signature, miss.shapes(), requires)
+        key = self._keys.key(miss.grad, miss.call.signature, miss.shapes(), requires, miss.autocast)
         return self._persistence.key(miss.module, miss.state, key, miss.device)
 
     def _record(
@@ -273,6 +300,9 @@ class Builder:
     def _recipe(self, miss: Miss, exported: export.ExportedGraph, model: Any) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
         state, call, grad = miss.state, miss.call, miss.grad
+        refusal = amp.cpu_refusal(model, miss.autocast)
+        if refusal is not None:
+            raise AutocastUnsupportedError(self._cls, refusal, _AUTOCAST_REMEDY)
         graph.name_outputs(model)
         num_user_outputs = len(model.graph.output)
         graph.relax_shapes(model)
@@ -337,6 +367,8 @@ class Builder:
                 user_inputs=exported.user_input_names,
                 extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
                 cls=self._cls,
+                # ORT's cast propagation would undo autocast's casts (float32 out again)
+                propagate_casts=miss.autocast is None,
             )
         return Recipe(
             training=grad,

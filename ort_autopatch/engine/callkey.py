@@ -1,6 +1,7 @@
 """The call key: whether a cached graph fits a call, as one frozen structure of named guards.
 
-A graph bakes in the gradient mode, every module's train flag, which parameters require grad,
+A graph bakes in the gradient mode, every module's train flag, the autocast state (a graph
+exported inside `torch.autocast` computes in its dtypes), which parameters require grad,
 the input signature (structure, dtypes, ranks, devices and constants; sizes stay dynamic), the
 values of the attributes forward read (tensors by identity, version, shape, dtype and device)
 and, for a model that specialises on sizes or an input shape that keeps coming back
@@ -20,10 +21,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.state import ModuleState
 
 #: The guards in the order a miss is explained: the first that differs names the reason.
-GUARDS = ("training", "grad", "requires_grad", "inputs", "attributes", "shapes")
+GUARDS = ("training", "grad", "autocast", "requires_grad", "inputs", "attributes", "shapes")
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -54,12 +56,13 @@ class CallKey:
     inputs: Hashable  # the input signature; sizes are dynamic dimensions
     attributes: tuple[Hashable, ...]  # guard values of the attributes forward read
     shapes: Shapes | None = None  # per-shape graphs only
+    autocast: amp.State = None  # torch.autocast's state for the module's device type
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Hashed once: a key lives as long as its graph and is looked up on every call.
         fields = (self.grad, self.training, self.requires_grad, self.inputs, self.attributes)
-        object.__setattr__(self, "_hash", hash((*fields, self.shapes)))
+        object.__setattr__(self, "_hash", hash((*fields, self.shapes, self.autocast)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -88,6 +91,7 @@ class CallKey:
             "requires_grad": list(self.requires_grad),
             "signature": repr(self.inputs),
             "shapes": None if self.shapes is None else [list(s) for s in self.shapes],
+            "autocast": None if self.autocast is None else repr(self.autocast),
         }
 
 
@@ -111,10 +115,16 @@ class KeyMaker:
         self._event: str | None = "first call"
 
     def key(
-        self, grad: bool, inputs: Hashable, shapes: Shapes | None, requires: list[bool]
+        self,
+        grad: bool,
+        inputs: Hashable,
+        shapes: Shapes | None,
+        requires: list[bool],
+        autocast: amp.State = None,
     ) -> CallKey:
         """The key of a call; `requires` are the parameters' requires_grad flags in a training
-        call (`ModuleState.requires_grad_flags`), empty otherwise."""
+        call (`ModuleState.requires_grad_flags`), empty otherwise; `autocast` the call's
+        `autocast.state`."""
         training = self.state.training_flags()
         attributes = self._guards.values() if self._guards is not None else ()
         recent = self._recent  # one read: another thread may replace it meanwhile
@@ -127,9 +137,10 @@ class KeyMaker:
                 and requires == recent_requires
                 and key.inputs == inputs
                 and key.shapes == shapes
+                and key.autocast == autocast
             ):
                 return key
-        key = CallKey(grad, tuple(training), tuple(requires), inputs, attributes, shapes)
+        key = CallKey(grad, tuple(training), tuple(requires), inputs, attributes, shapes, autocast)
         self._recent = (key, training, requires)
         return key
 
@@ -187,6 +198,9 @@ def _attributes(new: CallKey, old: CallKey, labels: Sequence[str]) -> str:
 _REASONS = {
     "training": lambda new, old, labels: "train/eval mode changed",
     "grad": lambda new, old, labels: "gradient mode changed",
+    "autocast": lambda new, old, labels: (
+        f"autocast changed ({amp.describe(old.autocast)} -> {amp.describe(new.autocast)})"
+    ),
     "requires_grad": lambda new, old, labels: "requires_grad changed",
     "inputs": lambda new, old, labels: "new input signature",
     "attributes": _attributes,

@@ -30,6 +30,8 @@ class EngineError(OrtAutopatchError, RuntimeError):
 
     kind: FailureKind = FailureKind.RUNTIME
     reason: str = "engine error"
+    #: a documented limitation (said at INFO), not a failure to report (a WARNING)
+    known_limitation: bool = False
 
     def __init__(self, module_class: str, cause: str, remedy: str) -> None:
         self.module_class = module_class
@@ -48,6 +50,15 @@ class UnsupportedInputError(EngineError):
 
     kind = FailureKind.UNSUPPORTED_DATA
     reason = "unsupported input"
+
+
+class AutocastUnsupportedError(EngineError):
+    """ONNX Runtime's build for the device has no kernel for an operator in autocast's dtype
+    (its CPU build has no bfloat16 Gemm): calls under that autocast run in PyTorch."""
+
+    kind = FailureKind.UNSUPPORTED_DATA
+    reason = "autocast dtype without ONNX Runtime kernels"
+    known_limitation = True
 
 
 class MixedDevicesError(EngineError):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import export, hazards, persist, session, signature, verify
 from ort_autopatch.engine.build import Builder, load_model
 from ort_autopatch.engine.cache import GraphCache
@@ -32,6 +33,8 @@ from ort_autopatch.engine.state import ModuleState
 __all__ = ["BuildRecord", "EngineOptions", "ModuleEngine", "Recipe"]
 
 log = logging.getLogger("ort_autopatch")
+
+_any_autocast = torch._C._is_any_autocast_enabled
 
 #: input shapes per gradient/train mode that may earn a static-shape graph (`HotShapes`)
 HOT_SHAPES_PER_MODE = 2
@@ -80,7 +83,8 @@ class ModuleEngine:
         self._build_lock = threading.RLock()  # one build at a time per module
         self.verifications: list[verify.Verification] = []  # --verify's comparisons
         self._verified: dict[CallKey, int] = {}  # key -> calls verified
-        self._trusted: dict[tuple[bool, bool], CallKey] = {}  # mode -> key last used
+        # (grad mode, train flag, autocast state) -> key last used
+        self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
         self.settings = session.SessionSettings(self.options.threads)
         self._builder = Builder(
             self._cls,
@@ -183,8 +187,11 @@ class ModuleEngine:
         check_devices: bool,
         recompute: bool,
     ) -> Any:
-        mode = (torch.is_grad_enabled(), module.training)
         call = signature.flatten_call(self._cls, args, kwargs, check_devices)
+        autocast = None
+        if _any_autocast():  # one C call while autocast is off
+            autocast = amp.state(self._device_type(call))
+        mode = (torch.is_grad_enabled(), module.training, autocast)
         hot: Shapes | None = None
         earned = False
         if not self._per_shape:
@@ -199,6 +206,8 @@ class ModuleEngine:
         stale = self._keys.stale()
         if stale is not None:
             self.invalidate(stale)
+            if autocast is not None:  # the module may have moved to another device type
+                autocast = amp.state(self._device_type(call))
         state = self._state
         requires = state.requires_grad_flags() if torch.is_grad_enabled() else []
         grad = any(requires) or (
@@ -215,7 +224,7 @@ class ModuleEngine:
                 f"input shape repeated {self._hot.after} calls: a static-shape graph for it"
             )
         try:
-            key, entry = self._entry(module, state, call, grad, requires, hot)
+            key, entry = self._entry(module, state, call, grad, requires, hot, autocast)
         except EngineError as exc:
             if hot is None or self._per_shape:
                 raise
@@ -223,7 +232,7 @@ class ModuleEngine:
             # dynamic graph keeps serving the shape.
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
             self._hot.refuse(mode, hot)
-            key, entry = self._entry(module, state, call, grad, requires, None)
+            key, entry = self._entry(module, state, call, grad, requires, None, autocast)
         if self.options.verify and self._verified.get(key, 0) < self.options.verify:
             self._verified[key] = self._verified.get(key, 0) + 1
             self._verify(module, entry, state, call, grad, key)
@@ -239,25 +248,26 @@ class ModuleEngine:
         grad: bool,
         requires: list[bool],
         hot: Shapes | None,
+        autocast: amp.State,
     ) -> tuple[CallKey, Entry]:
         """The call's key and its graph, built on a miss."""
-        key = self._key(grad, call, requires, hot)
+        key = self._key(grad, call, requires, hot, autocast)
         entry = self._cache.get(key)
         if entry is not None:
             return key, entry
         with self._build_lock:
             # Another thread may have built it meanwhile, under a key its build settled.
-            key = self._key(grad, call, requires, hot)
+            key = self._key(grad, call, requires, hot, autocast)
             entry = self._cache.get(key)
             if entry is not None:
                 return key, entry
             reason = self._keys.miss_reason(key)
             entry = self._cache.get_or_build(
-                key, lambda: self._build(module, state, call, grad, reason, hot)
+                key, lambda: self._build(module, state, call, grad, reason, hot, autocast)
             )
             # The build may have switched to static shapes or taught the guards new
             # attributes: file the graph under the key later calls will compute.
-            settled = self._key(grad, call, requires, hot)
+            settled = self._key(grad, call, requires, hot, autocast)
             if settled != key:
                 self._cache.rekey(key, settled)
                 key = settled
@@ -270,11 +280,22 @@ class ModuleEngine:
         call: signature.FlatCall,
         requires: list[bool] | None = None,
         hot: Shapes | None = None,
+        autocast: amp.State = None,
     ) -> CallKey:
-        """`hot`: the call's shapes when they earned a static-shape graph (`HotShapes`)."""
+        """`hot`: the call's shapes when they earned a static-shape graph (`HotShapes`);
+        `autocast`: the call's autocast state."""
         if requires is None:
             requires = self._state.requires_grad_flags() if grad else []
-        return self._keys.key(grad, call.signature, self._key_shapes(call, hot), requires)
+        shapes = self._key_shapes(call, hot)
+        return self._keys.key(grad, call.signature, shapes, requires, autocast)
+
+    def _device_type(self, call: signature.FlatCall) -> str:
+        """The device type whose autocast state applies: the module's tensors', else the
+        inputs' (a module without parameters)."""
+        device_type = self._state.device_type
+        if device_type is None:
+            device_type = call.tensors[0].device.type if call.tensors else "cpu"
+        return device_type
 
     def _key_shapes(self, call: signature.FlatCall, hot: Shapes | None) -> Shapes | None:
         """The input shapes a call's key holds: all of them once the model specialises on
@@ -289,6 +310,7 @@ class ModuleEngine:
         grad: bool,
         reason: str,
         hot: Shapes | None,
+        autocast: amp.State,
     ) -> Entry:
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
@@ -298,7 +320,7 @@ class ModuleEngine:
                 "Move the module and its inputs to one device (model.to(device))",
             )
         device = next(iter(devices), torch.device("cpu"))
-        miss = Miss(module, state, call, grad, device, hot, self._per_shape)
+        miss = Miss(module, state, call, grad, device, hot, self._per_shape, autocast)
         try:
             return self._builder.build(miss, reason)
         finally:

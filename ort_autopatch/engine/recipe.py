@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import export, hazards, session
 from ort_autopatch.engine.callkey import Shapes
 from ort_autopatch.engine.signature import FlatCall
@@ -92,6 +93,7 @@ class Miss:
     device: torch.device
     hot: Shapes | None  # the input shapes that earned a static-shape graph of their own
     per_shape: bool  # every graph of this module serves one input shape
+    autocast: amp.State = None  # the call's autocast state, which the export runs under
 
     def shapes(self) -> Shapes | None:
         """The input shapes the graph is built and keyed for, or None for a dynamic graph."""

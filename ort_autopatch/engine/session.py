@@ -308,11 +308,13 @@ def build_gradient(
     user_inputs: Sequence[str],
     extra_outputs: Sequence[str],
     cls: str,
+    propagate_casts: bool = True,
 ) -> GradientGraph:
     """Differentiate the exported graph with ORT's OrtModuleGraphBuilder.
 
     `extra_outputs` are graph outputs (BatchNorm statistics) returned by forward after the user
-    outputs but kept out of differentiation.
+    outputs but kept out of differentiation. `propagate_casts` lets ORT move and merge Casts
+    (ORTModule's default); a graph traced under autocast keeps its casts as traced.
     """
     import onnx
 
@@ -338,7 +340,8 @@ def build_gradient(
     cast = capi.PropagateCastOpsConfiguration()
     cast.level = 1
     cast.strategy = capi.PropagateCastOpsStrategy.FLOOD_FILL
-    transformer.propagate_cast_ops_config = cast
+    if propagate_casts:
+        transformer.propagate_cast_ops_config = cast
     transformer.enable_compute_optimizer = True
 
     def build() -> tuple[bytes, _GraphInfo]:

@@ -59,6 +59,8 @@ class ModuleState:
                     self.tensors.append(tensor)
                     self.is_param.append(kind)
         self.index = {name: k for k, name in enumerate(self.names)}
+        # whose autocast state decides the graph (autocast.state); None without tensors
+        self.device_type: str | None = self.tensors[0].device.type if self.tensors else None
         # Hook tables are mutated in place by register_*_hook: one flat list, checked in C.
         self._hook_tables = [
             table

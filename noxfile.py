@@ -43,6 +43,7 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
     if not session.posargs:
         session.notify("tests_transformers5")
+        session.notify("tests_plain")
 
 
 @nox.session(python=PYTHON)
@@ -67,6 +68,23 @@ def tests_transformers5(session: nox.Session) -> None:
     """The transformers-dependent tests against transformers 5.x (`nox -s tests` runs it)."""
     _install(session, "pytest", "pytest-timeout", TRANSFORMERS5, ACCELERATE, "numpy")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *TRANSFORMERS_TESTS, *session.posargs)
+
+
+# The plain backend's tests (inference-only onnxruntime, graphs from torch's autograd), in an
+# environment with the maintained onnxruntime and no training build: the two packages cannot
+# share one. The rest of the suite runs on the training build in `tests`.
+PLAIN_TESTS = (
+    "tests/test_plain_decompositions.py",
+    "tests/test_plain_backend.py",
+)
+
+
+@nox.session(python=PYTHON)
+def tests_plain(session: nox.Session) -> None:
+    """The plain backend's tests on the latest onnxruntime (`nox -s tests` runs it)."""
+    session.install(TORCH)
+    session.install("-e", ".", "onnxruntime", "onnxscript", "pytest", "pytest-timeout", "numpy")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *PLAIN_TESTS, *session.posargs)
 
 
 @nox.session(python=PYTHON)

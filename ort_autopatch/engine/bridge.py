@@ -136,9 +136,8 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
 def _seed_dropout() -> int:
     """Seed ORT's generator from the tool's stream (`rng`): torch.manual_seed makes dropout
     reproducible, and the user's generator is never drawn from."""
-    _, capi = runtime.load()
     seed = rng.next_seed()
-    capi.set_seed(seed)
+    runtime.capi().set_seed(seed)
     return seed
 
 

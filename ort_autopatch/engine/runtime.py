@@ -60,14 +60,19 @@ def unavailable_reason() -> str | None:
     )
 
 
-def load() -> tuple[ModuleType, ModuleType]:
-    """Import onnxruntime and its C API once; raise RuntimeUnavailableError with the reason."""
+def load(training: bool = True) -> tuple[ModuleType, ModuleType]:
+    """Import onnxruntime and its C API once; raise RuntimeUnavailableError with the reason.
+
+    `training=False` accepts an inference-only build (what the plain backend and sessions
+    need); otherwise a build without the training primitives is refused."""
     global _capi, _ort
-    if _capi is not None and _ort is not None:
-        return _ort, _capi
-    with _lock:
-        if _capi is None or _ort is None:
-            _ort, _capi = _import()
+    if _capi is None or _ort is None:
+        with _lock:
+            if _capi is None or _ort is None:
+                _ort, _capi = _import()
+    if training and not hasattr(_capi, "OrtModuleGraphBuilder"):
+        reason = unavailable_reason() or "the installed onnxruntime has no training support"
+        raise RuntimeUnavailableError("", reason, "Install a training build")
     return _ort, _capi
 
 
@@ -88,9 +93,6 @@ def _import() -> tuple[ModuleType, ModuleType]:
     # ORT's C++ logger writes straight to stderr (warnings about unassigned nodes, kernel
     # errors before they are raised); those errors reach users through the tool's messages.
     onnxruntime.set_default_logger_severity(4)
-    if not hasattr(capi, "OrtModuleGraphBuilder"):
-        reason = unavailable_reason() or "the installed onnxruntime has no training support"
-        raise RuntimeUnavailableError("", reason, "Install a training build")
     return onnxruntime, capi
 
 
@@ -107,4 +109,5 @@ def available_providers() -> list[str]:
 
 
 def capi() -> Any:
-    return load()[1]
+    """The C API of whichever build is installed (sessions and values need no training)."""
+    return load(training=False)[1]

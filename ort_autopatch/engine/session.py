@@ -58,7 +58,7 @@ def end_profiles() -> list[str]:
 
 
 def _session_options(settings: SessionSettings, training: bool) -> Any:
-    ort, _ = runtime.load()
+    ort, _ = runtime.load(training=False)
     options = ort.SessionOptions()
     if training:
         # Forward outputs handed to PyTorch live in ORT's buffers; with memory reuse on, the
@@ -111,7 +111,7 @@ def shared_arena() -> bool:
     global _arena
     with _arena_lock:
         if _arena is None:
-            ort, _ = runtime.load()
+            ort, _ = runtime.load(training=False)
             info = ort.OrtMemoryInfo(
                 "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
             )
@@ -135,7 +135,7 @@ _OPTIMIZATION_LEVELS: dict[str, Callable[[Any], Any]] = {
 
 
 def _providers(device: torch.device, stream: Any = None) -> list[Any]:
-    ort, _ = runtime.load()
+    ort, _ = runtime.load(training=False)
     available = ort.get_available_providers()
     if device.type == "cpu":
         return ["CPUExecutionProvider"]
@@ -152,7 +152,7 @@ def _providers(device: torch.device, stream: Any = None) -> list[Any]:
 
 
 def ort_device(device: torch.device) -> Any:
-    _, capi = runtime.load()
+    _, capi = runtime.load(training=False)
     kind = capi.OrtDevice.cuda() if device.type == "cuda" else capi.OrtDevice.cpu()
     return capi.OrtDevice(kind, capi.OrtDevice.default_memory(), device.index or 0)
 
@@ -191,7 +191,7 @@ def _session(
     layer); a graph optimised before (`optimized`) starts with optimisation off. The optimised
     form is specific to this machine's CPU features, which the persistent cache key covers.
     """
-    ort, _ = runtime.load()
+    ort, _ = runtime.load(training=False)
     providers = _providers(device, stream)
     options = _session_options(settings, training)
     if settings.arena and device.type == "cpu" and shared_arena():
@@ -245,7 +245,7 @@ def build_inference(
 ) -> InferenceProgram:
     import onnx
 
-    _, capi = runtime.load()
+    _, capi = runtime.load(training=False)
     graph = onnx.load_from_string(model_bytes).graph
     stream = compute_stream(device)
     session, captured = _session(

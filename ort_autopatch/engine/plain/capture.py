@@ -1,0 +1,224 @@
+"""One call of a module as a forward and a backward FX graph, from torch's autograd.
+
+aot_autograd traces the joint forward + backward graph of the call with fake tensors
+(`aot_export_joint_with_descriptors`: no torch.compile, no dynamo guards, no runtime
+wrappers), functionalised (in-place buffer updates become extra outputs) and decomposed by the
+backend's table, and the min-cut partitioner splits it: the forward returns, after the module's
+outputs, what the backward needs (activations, or inputs and parameters it reads). Every
+input and output carries a descriptor, so each is mapped to its meaning here (a user input, a
+parameter or buffer by qualified name, a buffer's new value, the gradient of a feed) and a
+descriptor this backend does not know refuses the call instead of guessing.
+
+Graphs are traced for the call's shapes: a graph is only ever run on inputs of those shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine import export, trees
+from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Where one graph input comes from: a user input (flat index) or a module tensor."""
+
+    kind: str  # "input", "param", "buffer"
+    where: int | str  # flat input index, or qualified name in the module
+
+
+@dataclass
+class Captured:
+    """The partitioned graphs of one call and the meaning of their inputs and outputs."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule | None  # None: nothing needs a gradient
+    feeds: list[Feed]  # per joint input (the forward graph's placeholders, in order)
+    output_spec: export.OutputSpec
+    num_user_outputs: int
+    #: forward outputs that are a buffer's new value: output index -> qualified buffer name
+    mutations: dict[int, str]
+    #: forward outputs that are user outputs, in order: output index per user output
+    user_outputs: list[int]
+    #: what backward reads, in its placeholder order: ("out", forward output index) or
+    #: ("feed", feed index) for a value forward passes through unchanged, or ("tangent", k)
+    #: for the gradient of user output k
+    backward_inputs: list[tuple[str, int]] = field(default_factory=list)
+
+
+class _Flat(torch.nn.Module):
+    """The call as a module of flat tensors in, flat tensors out (the user's module as `m`)."""
+
+    def __init__(
+        self, module: torch.nn.Module, forward: Callable[..., Any], spec: export.CallSpec
+    ) -> None:
+        super().__init__()
+        self.m = module
+        self._call = forward
+        self._spec = spec
+        self.output_spec: export.OutputSpec | None = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = self._spec.rebuild(tensors)
+        result = self._call(self.m, *args, **kwargs)
+        leaves, tree = trees.flatten(result)
+        positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.output_spec = export.OutputSpec(tree, constants, positions)
+        return tuple(leaves[k] for k in positions)
+
+
+def _math_attention() -> contextlib.AbstractContextManager[Any]:
+    """Attention as matmuls and a softmax: the fused CPU kernel's backward has no ONNX form."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def capture(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    spec: export.CallSpec,
+    tensors: Sequence[torch.Tensor],
+    cls: str,
+    decompositions: dict[Any, Callable[..., Any]],
+) -> Captured:
+    """Trace and partition one call. Nothing of the module changes: the trace runs on fake
+    tensors (BatchNorm's statistics are updated only by running the graph)."""
+    from torch._functorch._aot_autograd import descriptors as d
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    flat = _Flat(module, forward, spec)
+    try:
+        with contextlib.ExitStack() as stack, export.stepping_aside(), _math_attention():
+            joint = aot_export_joint_with_descriptors(
+                stack, flat, tuple(tensors), decompositions=decompositions
+            )
+            gm = joint.graph_module
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            output = next(n for n in gm.graph.nodes if n.op == "output")
+            out_descs = list(output.meta["desc"])
+            feeds: list[Feed] = []
+            tangents: dict[str, int] = {}
+            for node in placeholders:
+                desc = node.meta["desc"]
+                if isinstance(desc, d.PlainAOTInput):
+                    feeds.append(Feed("input", desc.idx))
+                elif isinstance(desc, d.ParamAOTInput):
+                    feeds.append(Feed("param", _qualified(desc.target)))
+                elif isinstance(desc, d.BufferAOTInput):
+                    feeds.append(Feed("buffer", _qualified(desc.target)))
+                elif isinstance(desc, d.TangentAOTInput) and isinstance(
+                    desc.output, d.PlainAOTOutput
+                ):
+                    tangents[node.name] = desc.output.idx
+                else:
+                    raise _refuse(cls, f"an input of kind {desc!r}")
+            mutations: dict[int, str] = {}
+            user_outputs: list[int] = []
+            num_forward = 0
+            for k, desc in enumerate(out_descs):
+                if isinstance(desc, d.GradAOTOutput) or desc is None:
+                    continue
+                num_forward += 1
+                if isinstance(desc, d.PlainAOTOutput):
+                    user_outputs.append(k)
+                elif isinstance(desc, d.InputMutationAOTOutput) and isinstance(
+                    desc.mutated_input, d.BufferAOTInput
+                ):
+                    mutations[k] = _qualified(desc.mutated_input.target)
+                else:
+                    raise _refuse(cls, f"an output of kind {desc!r}")
+            if num_forward != len(user_outputs) + len(mutations) or any(
+                k >= num_forward for k in [*user_outputs, *mutations]
+            ):
+                raise _refuse(cls, "forward outputs after gradients")
+            if not tangents:
+                forward_gm, backward_gm = gm, None
+            else:
+                forward_gm, backward_gm = min_cut_rematerialization_partition(
+                    gm, None, num_fwd_outputs=num_forward
+                )
+    except (ExportError, UnsupportedModelError):
+        raise
+    except Exception as exc:
+        raise ExportError(
+            cls,
+            f"torch could not trace the call's forward and backward: "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            "Run this class eagerly (the default fallback policy does)",
+        ) from exc
+    assert flat.output_spec is not None
+    captured = Captured(
+        forward=forward_gm,
+        backward=backward_gm,
+        feeds=feeds,
+        output_spec=flat.output_spec,
+        num_user_outputs=len(user_outputs),
+        mutations=mutations,
+        user_outputs=user_outputs,
+    )
+    if backward_gm is not None:
+        _link(captured, forward_gm, backward_gm, tangents, num_forward)
+    return captured
+
+
+def _qualified(target: str) -> str:
+    """The user module's name for a tensor of the wrapper (`m.layer.weight`)."""
+    return target[2:] if target.startswith("m.") else target
+
+
+def _refuse(cls: str, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        cls,
+        f"the call's autograd graph has {what}, which the plain backend does not map",
+        "Run this class eagerly (the default fallback policy does) and report the model",
+    )
+
+
+def _link(
+    captured: Captured,
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    tangents: dict[str, int],
+    num_forward: int,
+) -> None:
+    """Name what the backward reads, by the partitioner's naming (a saved value keeps the
+    name of the forward node that made it). Backward's outputs need no map: the partitioner
+    gives it one per joint input, in order (None for an input without a gradient)."""
+    forward_inputs = {n.name: k for k, n in enumerate(forward.graph.nodes) if n.op == "placeholder"}
+    forward_outputs = {
+        getattr(node, "name", None): k
+        for k, node in enumerate(next(n for n in forward.graph.nodes if n.op == "output").args[0])
+    }
+    reads: list[tuple[str, int]] = []
+    for node in backward.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in tangents:
+            reads.append(("tangent", tangents[node.name]))
+        elif node.name in forward_outputs and forward_outputs[node.name] >= num_forward:
+            reads.append(("out", forward_outputs[node.name]))
+        elif node.name in forward_inputs:
+            reads.append(("feed", forward_inputs[node.name]))
+        else:
+            raise ExportError(
+                "",
+                f"the backward graph reads {node.name!r}, which forward does not provide",
+                "Report the model",
+            )
+    captured.backward_inputs = reads
+    outputs = next(n for n in backward.graph.nodes if n.op == "output").args[0]
+    if len(outputs) != len(captured.feeds):
+        raise ExportError(
+            "",
+            f"the backward graph has {len(outputs)} outputs for {len(captured.feeds)} inputs",
+            "Report the model",
+        )

@@ -1,0 +1,46 @@
+"""The first call of every plain-backend graph is also run eagerly and compared.
+
+The backend is young and its lowerings come from an exporter written for inference: one of
+them (BatchNorm in training) was found silently wrong. So before a graph's numbers are
+trusted, its first call runs through the graph and eagerly on copies of the inputs, and its
+outputs and gradients are compared (`verify.verify_call`, the machinery of `--verify`: buffers
+and every random generator are restored, no `.grad` is touched). A mismatch is a
+`VerificationError` naming what differed; the caller then runs that key in PyTorch.
+
+Graphs with random operators (dropout) draw from ONNX Runtime's generator and cannot equal
+eager's numbers; they are reported as unchecked, with the operators named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine import verify
+from ort_autopatch.engine.plain.program import Program
+
+
+def random_operators(program: Program) -> list[str]:
+    import onnx
+
+    found = set(verify.random_ops(onnx.load_from_string(program.lowered.forward)))
+    return sorted(found)
+
+
+def first_call(
+    cls: str,
+    module: torch.nn.Module,
+    program: Program,
+    run_graph: Callable[[list[torch.Tensor]], Any],
+    run_eager: Callable[[list[torch.Tensor]], Any],
+    inputs: Sequence[torch.Tensor],
+    grad: bool,
+) -> verify.Verification:
+    """Compare the graph with eager on this call (raises `verify.VerificationError`)."""
+    random = random_operators(program)
+    if random:
+        return verify.Verification(unverified=f"random operators ({', '.join(random)})")
+    trainable = [p for p in module.parameters() if p.requires_grad] if grad else []
+    return verify.verify_call(cls, module, run_graph, run_eager, inputs, trainable, grad)

@@ -1,0 +1,226 @@
+"""The one decomposition table of the plain backend: which ATen operators are rewritten, at
+trace time, into operators the ONNX exporter translates faithfully.
+
+ONNX's op library (onnxscript's torchlib) has no backward operators, so every backward
+operator in a joint graph must be decomposed. The base is the exporter's own choice (each
+operator torchlib lacks gets torch's decomposition); on top of it, declared here once:
+
+- `_native_batch_norm_legit_functional`: torchlib's translation hard-codes training off, so a
+  BatchNorm in train mode would silently normalise with the running statistics. Decomposed.
+- `nll_loss_forward`: torchlib's translation returns a total weight of 1 where ATen returns
+  the number of counted targets (the backward divides by it): with the mean reduction every
+  gradient came out batch-size times too large, again without an error. Decomposed.
+- `convolution_backward`: torch has no decomposition; ours below covers every stride,
+  padding, dilation, groups and transposed convolution (1-d to 3-d).
+- `avg_pool2d_backward` and `_adaptive_avg_pool2d_backward` (the cases an average pool is a
+  convolution with a constant kernel): torch has none either.
+- pooling, normalisation, embedding, dropout and loss backwards: torch's decompositions,
+  named so the tests can hold each one to eager.
+Attention needs no entry: the capture traces `scaled_dot_product_attention` with the math
+backend (matmuls and a softmax) instead of the fused CPU kernel, whose backward has no form.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+#: torch's own decompositions this backend relies on, declared so each has a test.
+TORCH_DECOMPOSED = (
+    aten._native_batch_norm_legit_functional.default,
+    aten.nll_loss_forward.default,
+    aten.nll_loss2d_forward.default,
+    aten.native_batch_norm_backward.default,
+    aten.max_pool2d_with_indices_backward.default,
+    aten.embedding_dense_backward.default,
+    aten.native_layer_norm_backward.default,
+    aten.native_group_norm_backward.default,
+    aten.native_dropout_backward.default,
+    aten.nll_loss_backward.default,
+    aten.nll_loss2d_backward.default,
+    aten._log_softmax_backward_data.default,
+    aten._softmax_backward_data.default,
+    aten.mse_loss_backward.default,
+    aten.binary_cross_entropy_backward.default,
+    aten.smooth_l1_loss_backward.default,
+    aten.threshold_backward.default,
+    aten.gelu_backward.default,
+    aten.tanh_backward.default,
+    aten.sigmoid_backward.default,
+    aten.silu_backward.default,
+)
+
+
+class UndecomposableError(NotImplementedError):
+    """An operator call this table has no faithful decomposition for (names the operator)."""
+
+
+def _spatial(values: Sequence[int], dims: int) -> list[int]:
+    return list(values) * dims if len(values) == 1 else list(values)
+
+
+def convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`aten.convolution_backward` as convolutions (ONNX Conv / ConvTranspose) and a sum.
+
+    The input's gradient is the adjoint convolution (a transposed one for a convolution, a
+    plain one for a transposed convolution). The weight's gradient correlates input and
+    output gradient with batch and channel swapped, stride and dilation exchanging roles,
+    one group per convolution group; trailing positions no window reached are cut off.
+    """
+    dims = input.dim() - 2
+    stride, padding, dilation = (_spatial(v, dims) for v in (stride, padding, dilation))
+    kernel = list(weight.shape[2:])
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if transposed:
+            grad_input = aten.convolution(
+                grad_output, weight, None, stride, padding, dilation, False, [0] * dims, groups
+            )
+        else:
+            extra = [
+                input.shape[2 + d]
+                - (
+                    (grad_output.shape[2 + d] - 1) * stride[d]
+                    - 2 * padding[d]
+                    + dilation[d] * (kernel[d] - 1)
+                    + 1
+                )
+                for d in range(dims)
+            ]
+            grad_input = aten.convolution(
+                grad_output, weight, None, stride, padding, dilation, True, extra, groups
+            )
+    if output_mask[1]:
+        # transposed: the weight's gradient of the adjoint, with the two activations swapped
+        source, target = (grad_output, input) if transposed else (input, grad_output)
+        grad_weight = _weight_gradient(source, target, kernel, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_gradient(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
+    """d(conv(source, w)) / dw contracted with `target`: shape (target channels,
+    source channels / groups, *kernel)."""
+    dims = source.dim() - 2
+    batch, channels = source.shape[0], source.shape[1]
+    per_group_in = channels // groups
+    spatial_in = list(source.shape[2:])
+    # source as (in/groups, groups * batch, *S): the batch becomes the channel to reduce over
+    lhs = source.reshape(batch, groups, per_group_in, *spatial_in)
+    lhs = lhs.permute(2, 1, 0, *range(3, 3 + dims)).reshape(
+        per_group_in, groups * batch, *spatial_in
+    )
+    # target as a weight (out, batch, *T): group g's output channels read group g's batch block
+    rhs = target.permute(1, 0, *range(2, 2 + dims))
+    full = aten.convolution(lhs, rhs, None, dilation, padding, stride, False, [0] * dims, groups)
+    # (in/groups, out, *K'), K' >= K: keep the kernel's positions
+    for d in range(dims):
+        if full.shape[2 + d] != kernel[d]:
+            full = full.narrow(2 + d, 0, kernel[d])
+    return full.transpose(0, 1)
+
+
+def avg_pool2d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """Each output's gradient spread evenly over its window: a transposed convolution with a
+    constant kernel, after dividing by each window's divisor."""
+    kernel = _spatial(kernel_size, 2)
+    stride = _spatial(stride, 2) if stride else kernel
+    padding = _spatial(padding, 2)
+    if ceil_mode:
+        raise UndecomposableError("aten.avg_pool2d_backward with ceil_mode=True")
+    batched = input.dim() == 4
+    x = input if batched else input.unsqueeze(0)
+    g = grad_output if batched else grad_output.unsqueeze(0)
+    n, c, h, w = x.shape
+    if divisor_override:
+        g = g / divisor_override
+    elif count_include_pad or not any(padding):
+        g = g / (kernel[0] * kernel[1])
+    else:
+        ones = torch.ones((1, 1, h, w), dtype=x.dtype, device=x.device)
+        box = torch.ones((1, 1, *kernel), dtype=x.dtype, device=x.device)
+        counts = aten.convolution(ones, box, None, stride, padding, [1, 1], False, [0, 0], 1)
+        g = g / counts
+    box = torch.ones((1, 1, *kernel), dtype=g.dtype, device=g.device)
+    oh, ow = g.shape[2], g.shape[3]
+    extra = [
+        size - ((out - 1) * s - 2 * p + k)
+        for size, out, s, p, k in zip((h, w), (oh, ow), stride, padding, kernel, strict=True)
+    ]
+    flat = g.reshape(n * c, 1, oh, ow)
+    result = aten.convolution(flat, box, None, stride, padding, [1, 1], True, extra, 1)
+    result = result.reshape(n, c, h, w)
+    return result if batched else result.squeeze(0)
+
+
+def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """An adaptive average pool whose sizes divide evenly is an average pool."""
+    size_in, size_out = input.shape[-2:], grad_output.shape[-2:]
+    if any(i % o for i, o in zip(size_in, size_out, strict=True)):
+        raise UndecomposableError(
+            f"aten._adaptive_avg_pool2d_backward from {tuple(size_in)} to {tuple(size_out)} "
+            "(sizes that do not divide evenly)"
+        )
+    kernel = [i // o for i, o in zip(size_in, size_out, strict=True)]
+    return avg_pool2d_backward(grad_output, input, kernel, kernel, [0, 0], False, True, None)
+
+
+OURS: dict[Any, Callable[..., Any]] = {
+    aten.convolution_backward.default: convolution_backward,
+    aten.avg_pool2d_backward.default: avg_pool2d_backward,
+    aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+}
+
+
+@functools.cache
+def table() -> dict[Any, Callable[..., Any]]:
+    """The decompositions the capture traces with (built once: it walks torch's tables)."""
+    from torch._decomp import get_decompositions
+    from torch.onnx._internal.exporter import _decomp
+
+    from ort_autopatch.engine.plain import lowering
+
+    registry = lowering.registry()
+    found: dict[Any, Callable[..., Any]] = dict(
+        _decomp.create_onnx_friendly_decomposition_table(
+            set(_decomp.get_onnx_implemented_overloads(registry))
+        )
+    )
+    found.update(get_decompositions(list(TORCH_DECOMPOSED)))
+    found.update(OURS)
+    return found

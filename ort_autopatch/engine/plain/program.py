@@ -1,0 +1,337 @@
+"""Running a captured call: a forward and a backward InferenceSession tied into autograd.
+
+The two FX graphs of a capture become ONNX graphs (`lowering`) and sessions; values cross in
+both directions through DLPack without copies (the engine's `bridge` plumbing, its kept values
+of the module's tensors included). Inputs a graph merely passes through (parameters the
+backward reads, a gradient equal to its cotangent) are served on the torch side rather than
+sent through ORT. A call's Function saves what the partitioner chose for the backward with
+`save_for_backward`, so autograd's version check guards it as eager's saved tensors, and copies
+the new values of the buffers forward updated (BatchNorm's statistics) into the module's
+buffers, as eager's in-place update does. Dropout draws from ORT's generator, seeded before
+each forward from the tool's own stream (`rng`): torch's generator is never drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from ort_autopatch.engine import bridge, rng, runtime, session
+from ort_autopatch.engine.errors import ExecutionError
+from ort_autopatch.engine.plain import lowering
+from ort_autopatch.engine.plain.capture import Captured, Feed
+
+
+@dataclass
+class _Session:
+    """One graph's session and how to feed it and read it."""
+
+    session: Any
+    feed_names: list[str]
+    feeds: list[int]  # per session input: index into the values the caller holds
+    fetch_names: list[str]
+    fetch_devices: list[Any]
+    run_options: Any
+    stream: Any
+    #: per graph output: ("onnx", fetch index), ("in", index into the caller's values) or
+    #: ("none", -1)
+    outputs: list[tuple[str, int]]
+    draws: bool  # a run reads ORT's generator (dropout): seed it first
+
+    def run(self, cls: str, phase: str, values: Sequence[torch.Tensor], kept: Any) -> list[Any]:
+        capi = runtime.capi()
+        fetches = capi.OrtValueVector()
+        if self.draws:
+            capi.set_seed(rng.next_seed())
+        try:
+            with bridge.on_stream(self.stream) as caller:
+                self.session._sess.run_with_ortvaluevector(
+                    self.run_options,
+                    self.feed_names,
+                    _PUSH[0]([values[k] for k in self.feeds], kept),
+                    self.fetch_names,
+                    fetches,
+                    self.fetch_devices,
+                )
+        except Exception as exc:
+            raise ExecutionError(
+                cls, f"ONNX Runtime {phase} failed: {session.ort_message(exc)}", "Run eagerly"
+            ) from exc
+        got = _TENSORS[0](fetches, caller)
+        return [
+            got[k] if kind == "onnx" else values[k] if kind == "in" else None
+            for kind, k in self.outputs
+        ]
+
+
+def _push(tensors: Sequence[torch.Tensor], kept: bridge.KeptValues | None) -> Any:
+    """ORT's vector of the feeds (`bridge._push` for the inference build's DLPack calls,
+    which take bools as they are: no uint8 view, no flag)."""
+    capi = runtime.capi()
+    vector = capi.OrtValueVector()
+    vector.reserve(len(tensors))
+    push = vector.push_back
+    values = kept.values if kept is not None else {}
+    for k, tensor in enumerate(tensors):
+        held = values.get(k)
+        if (
+            held is not None
+            and held[0] == tensor.data_ptr()
+            and held[1] == tensor.shape
+            and held[2] == tensor.stride()
+            and held[3] is tensor.dtype
+        ):
+            push(held[4])
+            continue
+        keeper = kept if kept is not None and k in kept.positions else None
+        t = tensor.detach()
+        if not t.is_contiguous():
+            t, keeper = t.contiguous(), None
+        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != bridge._strides(t.shape):
+            t, keeper = t.clone(memory_format=torch.contiguous_format), None
+        capsule = to_dlpack(t)
+        if keeper is None:
+            push(capsule)
+            continue
+        value = capi.OrtValue.from_dlpack(capsule)
+        keeper.keep(k, tensor, value)
+        push(value)
+    return vector
+
+
+def _tensors(vector: Any, caller: Any = None) -> list[torch.Tensor]:
+    """Zero-copy tensors from an OrtValueVector (see `bridge._tensors` for `caller`)."""
+    tensors: list[torch.Tensor] = vector.to_dlpacks(torch._C._from_dlpack)
+    if caller is not None:
+        for tensor in tensors:
+            tensor.record_stream(caller)
+    return tensors
+
+
+#: the training build's DLPack calls take bools as uint8 with a flag (`bridge`'s plumbing);
+#: the inference build's take them as they are. Chosen at the first build.
+_PUSH: list[Any] = [_push]
+_TENSORS: list[Any] = [_tensors]
+
+
+def _choose_plumbing() -> None:
+    if hasattr(runtime.capi().OrtValueVector, "bool_tensor_indices"):
+        _PUSH[0], _TENSORS[0] = bridge._push, bridge._tensors
+
+
+def _outputs_for_onnx(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
+    """Rewrite the graph's outputs to what ONNX can carry (no None, no input, none twice)
+    and say where each original output comes from."""
+    inputs = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    kept: list[Any] = []
+    plan: list[tuple[str, int]] = []
+    for node in output.args[0]:
+        if node is None:
+            plan.append(("none", -1))
+        elif node in inputs:
+            plan.append(("in", inputs[node]))
+        else:
+            if node not in kept:
+                kept.append(node)
+            plan.append(("onnx", kept.index(node)))
+    output.args = (tuple(kept),)
+    gm.recompile()
+    return plan
+
+
+@dataclass
+class Lowered:
+    """Both graphs of a capture as ONNX, and the maps between them: plain data (the
+    backend's payload, which the persistent cache stores)."""
+
+    forward: bytes
+    backward: bytes | None
+    feeds: list[Feed]  # per forward graph input, in order
+    user_outputs: list[int]  # forward output index of each user output
+    mutations: dict[int, int]  # forward output index -> feed index of the buffer it updates
+    backward_inputs: list[tuple[str, int]]  # see `Captured.backward_inputs`
+    forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
+    backward_outputs: list[tuple[str, int]]
+
+    def graphs(self) -> dict[str, bytes]:
+        found = {"forward": self.forward}
+        if self.backward is not None:
+            found["backward"] = self.backward
+        return found
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "feeds": [[f.kind, f.where] for f in self.feeds],
+            "user_outputs": self.user_outputs,
+            "mutations": [[k, v] for k, v in self.mutations.items()],
+            "backward_inputs": [list(x) for x in self.backward_inputs],
+            "forward_outputs": [list(x) for x in self.forward_outputs],
+            "backward_outputs": [list(x) for x in self.backward_outputs],
+        }
+
+    @classmethod
+    def from_stored(cls, meta: dict[str, Any], graphs: dict[str, bytes]) -> Lowered:
+        def pairs(key: str) -> list[tuple[str, int]]:
+            return [(str(a), int(b)) for a, b in meta[key]]
+
+        return cls(
+            forward=graphs["forward"],
+            backward=graphs.get("backward"),
+            feeds=[Feed(str(k), w) for k, w in meta["feeds"]],
+            user_outputs=[int(k) for k in meta["user_outputs"]],
+            mutations={int(k): int(v) for k, v in meta["mutations"]},
+            backward_inputs=pairs("backward_inputs"),
+            forward_outputs=pairs("forward_outputs"),
+            backward_outputs=pairs("backward_outputs"),
+        )
+
+
+def lower(captured: Captured, cls: str) -> Lowered:
+    """Both graphs of a capture to ONNX."""
+    forward_outputs = _outputs_for_onnx(captured.forward)
+    forward = lowering.to_onnx(captured.forward, cls, "forward")
+    backward = None
+    backward_outputs: list[tuple[str, int]] = []
+    if captured.backward is not None:
+        backward_outputs = _outputs_for_onnx(captured.backward)
+        backward = lowering.to_onnx(captured.backward, cls, "backward")
+    position = {feed: k for k, feed in enumerate(captured.feeds)}
+    return Lowered(
+        forward=forward,
+        backward=backward,
+        feeds=captured.feeds,
+        user_outputs=captured.user_outputs,
+        mutations={k: position[Feed("buffer", name)] for k, name in captured.mutations.items()},
+        backward_inputs=captured.backward_inputs,
+        forward_outputs=forward_outputs,
+        backward_outputs=backward_outputs,
+    )
+
+
+def _session_for(
+    model: bytes,
+    outputs: list[tuple[str, int]],
+    cls: str,
+    device: torch.device,
+    settings: session.SessionSettings,
+) -> _Session:
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    stream = session.compute_stream(device)
+    sess, _ = session._session(model, device, settings, cls, False, stream=stream)
+    inputs = {value.name: k for k, value in enumerate(proto.graph.input)}
+    names = [i.name for i in sess.get_inputs()]
+    fetches = [o.name for o in sess.get_outputs()]
+    return _Session(
+        session=sess,
+        feed_names=names,
+        feeds=[inputs[name] for name in names],
+        fetch_names=fetches,
+        fetch_devices=[session.ort_device(device)] * len(fetches),
+        run_options=runtime.capi().RunOptions(),
+        stream=stream,
+        outputs=outputs,
+        draws=rng.draws_per_run(proto),
+    )
+
+
+@dataclass
+class Program:
+    """A lowered call with its sessions: what a call through the cache runs."""
+
+    cls: str
+    lowered: Lowered
+    forward: _Session
+    backward: _Session | None
+    kept: Any  # bridge.KeptValues of the module's tensors among the feeds
+    saves_mutated: frozenset[int]  # buffers backward reads that forward also updates
+
+    def run(self, feeds: Sequence[torch.Tensor], recompute: bool = False) -> list[torch.Tensor]:
+        """One call: through autograd when it needs gradients, else forward alone."""
+        if self.backward is not None and torch.is_grad_enabled():
+            return list(PlainTrainingCall.apply(self, *feeds))
+        user, _, _ = _forward(self, feeds)
+        return user
+
+
+def instantiate(
+    lowered: Lowered, cls: str, device: torch.device, settings: session.SessionSettings
+) -> Program:
+    """Sessions for both graphs."""
+    _choose_plumbing()
+    forward = _session_for(lowered.forward, lowered.forward_outputs, cls, device, settings)
+    backward = None
+    if lowered.backward is not None:
+        backward = _session_for(lowered.backward, lowered.backward_outputs, cls, device, settings)
+    saved_feeds = {k for kind, k in lowered.backward_inputs if kind == "feed"}
+    return Program(
+        cls=cls,
+        lowered=lowered,
+        forward=forward,
+        backward=backward,
+        kept=bridge.KeptValues([k for k, f in enumerate(lowered.feeds) if f.kind != "input"]),
+        saves_mutated=frozenset(saved_feeds & set(lowered.mutations.values())),
+    )
+
+
+def _forward(
+    program: Program, feeds: Sequence[torch.Tensor]
+) -> tuple[list[Any], list[Any], dict[int, torch.Tensor]]:
+    """Run forward and update the buffers: the user outputs, all of forward's outputs and
+    the buffers backward reads as forward saw them (by feed index)."""
+    outputs = program.forward.run(program.cls, "forward", feeds, program.kept)
+    before: dict[int, torch.Tensor] = {}
+    if program.lowered.mutations:
+        with torch.no_grad():
+            for k, feed in program.lowered.mutations.items():
+                if feed in program.saves_mutated:
+                    before[feed] = feeds[feed].clone()
+                feeds[feed].copy_(outputs[k])
+    return [outputs[k] for k in program.lowered.user_outputs], outputs, before
+
+
+class PlainTrainingCall(torch.autograd.Function):
+    """Forward and backward sessions of one captured call; the feeds are the Function's
+    inputs, so autograd routes each gradient to its parameter or input."""
+
+    @staticmethod
+    def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        user, outputs, before = _forward(program, feeds)
+        ctx.program = program
+        ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
+        ctx.set_materialize_grads(False)
+        saved = []
+        for kind, k in program.lowered.backward_inputs:
+            if kind == "out":
+                saved.append(outputs[k])
+            elif kind == "feed":
+                saved.append(before.get(k, feeds[k]))
+        ctx.save_for_backward(*saved)
+        for out in user:
+            if not out.is_floating_point():
+                ctx.mark_non_differentiable(out)
+        return tuple(user)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        program: Program = ctx.program
+        assert program.backward is not None
+        saved = iter(ctx.saved_tensors)
+        values: list[torch.Tensor] = []
+        for kind, k in program.lowered.backward_inputs:
+            if kind == "tangent":
+                grad = grad_outputs[k]
+                if grad is None:
+                    shape, dtype, device = ctx.output_info[k]
+                    grad = torch.zeros(shape, dtype=dtype, device=device)
+                values.append(grad)
+            else:
+                values.append(next(saved))
+        grads = program.backward.run(program.cls, "backward", values, None)
+        return (None, *grads)

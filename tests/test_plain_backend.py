@@ -1,0 +1,308 @@
+"""The plain backend (inference-only onnxruntime, graphs from torch's autograd) against eager:
+outputs, gradients and buffer updates, call by call, for every entry of its decomposition
+table, and its refusals."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
+
+pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+
+Loss = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _square(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _train_like_eager(
+    model: nn.Module,
+    make_inputs: Callable[[], tuple[torch.Tensor, ...]],
+    steps: int = 3,
+    loss: Loss = _square,
+    rtol: float = 1e-4,
+) -> PlainCall:
+    """Train a copy eagerly and the model through the plain backend, step by step; compare
+    losses, every gradient (inputs' included) and every buffer after each step."""
+    torch.manual_seed(0)
+    eager = copy.deepcopy(model)
+    inputs = make_inputs()
+    plain = PlainCall(model, *inputs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.05)
+    for step in range(steps):
+        inputs = make_inputs()
+        ours = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        out = plain(*ours)
+        expected = eager(*inputs)
+        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
+        got_loss, eager_loss = loss(out), loss(expected)
+        torch.testing.assert_close(got_loss, eager_loss, rtol=rtol, atol=1e-6)
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        got_loss.backward()
+        eager_loss.backward()
+        # one scale per step: a gradient that is zero in exact arithmetic (a bias before
+        # BatchNorm) is float32 noise on both sides
+        scale = max(float(q.grad.abs().max()) for q in eager.parameters()) + 1e-6
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            assert p.grad is not None, name
+            torch.testing.assert_close(
+                p.grad, q.grad, rtol=0, atol=rtol * scale, msg=f"step {step}: {name}.grad"
+            )
+        for a, b in zip(ours, inputs, strict=True):
+            if b.requires_grad:
+                assert a.grad is not None and b.grad is not None
+                bound = rtol * max(scale, float(b.grad.abs().max()))
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=bound)
+        for (name, a), b in zip(model.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+        optimizer.step()
+        eager_optimizer.step()
+    return plain
+
+
+def test_mlp_trains_with_eagers_gradients_and_sees_the_optimizers_updates() -> None:
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    _train_like_eager(model, lambda: (torch.randn(8, 20),), steps=4)
+
+
+def test_batchnorm_in_train_mode_normalises_with_batch_statistics() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    _train_like_eager(model, lambda: (torch.randn(4, 3, 6, 6) * 3 + 1,))
+    assert int(model[1].num_batches_tracked) == 3
+
+
+class _NllLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.linear(x), target)
+
+
+def _batch_norm_graph() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    return model, (torch.randn(4, 3, 6, 6) * 3 + 1,)
+
+
+def _nll_graph() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _NllLoss(), (torch.randn(5, 6), torch.randint(0, 4, (5,)))
+
+
+@pytest.mark.parametrize(
+    ("operator", "make"),
+    [
+        ("_native_batch_norm_legit_functional", _batch_norm_graph),
+        ("nll_loss_forward", _nll_graph),
+    ],
+)
+def test_the_exporters_silent_mistranslations_are_caught_against_eager(
+    operator: str, make: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+) -> None:
+    """Without the table's entry the exporter's own translation runs: BatchNorm with training
+    hard-coded off (running statistics instead of the batch's), nll_loss with a total weight
+    of 1 (gradients batch-size times too large). Both without an error: the comparison with
+    eager (which the backend's first-call check makes) must see them."""
+    from ort_autopatch.engine.plain import decompositions
+
+    dropped = getattr(torch.ops.aten, operator).default
+    table = {k: v for k, v in decompositions.table().items() if k is not dropped}
+    torch.manual_seed(0)
+    model, inputs = make()
+    eager = copy.deepcopy(model)
+    plain = PlainCall(model, *inputs, table=table)
+    out, expected = plain(*inputs), eager(*inputs)
+    out.float().pow(2).mean().backward()
+    expected.float().pow(2).mean().backward()
+    differs = not torch.allclose(out, expected, atol=1e-4) or any(
+        not torch.allclose(p.grad, q.grad, atol=1e-4)
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True)
+    )
+    assert differs, f"the exporter's {operator} now agrees with eager: drop the table's entry?"
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2),
+        nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4),
+        nn.Conv1d(3, 5, 4, stride=3, padding=1),
+        nn.Conv3d(2, 4, 2, stride=1, padding=1, bias=False),
+        nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2),
+        nn.ConvTranspose1d(3, 2, 4, stride=3, dilation=2),
+    ],
+    ids=lambda m: repr(m),
+)
+def test_convolution_gradients_equal_eagers_for_the_input_too(conv: nn.Module) -> None:
+    channels = conv.in_channels
+    dims = {nn.Conv1d: 1, nn.Conv3d: 3, nn.ConvTranspose1d: 1}.get(type(conv), 2)
+    _train_like_eager(conv, lambda: (torch.randn(2, channels, *[7] * dims, requires_grad=True),))
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        nn.MaxPool2d(2),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.AvgPool2d(2),
+        nn.AdaptiveAvgPool2d(1),
+    ],
+    ids=repr,
+)
+def test_pooling_gradients_equal_eagers(pool: nn.Module) -> None:
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), pool)
+    _train_like_eager(model, lambda: (torch.randn(2, 2, 8, 8),))
+
+
+def test_transformer_layer_attention_and_layer_norm_train_like_eager() -> None:
+    model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    _train_like_eager(model, lambda: (torch.randn(3, 7, 32, requires_grad=True),))
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(30, 16, padding_idx=0)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.embedding(tokens)).mean(1))
+        return nn.functional.cross_entropy(logits, labels)
+
+
+def test_embedding_layer_norm_and_cross_entropy_train_like_eager() -> None:
+    def inputs() -> tuple[torch.Tensor, ...]:
+        return torch.randint(0, 30, (4, 6)), torch.randint(0, 5, (4,))
+
+    _train_like_eager(_Classifier(), inputs, loss=lambda out: out)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        nn.functional.mse_loss,
+        nn.functional.smooth_l1_loss,
+        nn.functional.binary_cross_entropy_with_logits,
+        lambda a, b: nn.functional.binary_cross_entropy(torch.sigmoid(a), b),
+        lambda a, b: nn.functional.nll_loss(a.log_softmax(1), b.argmax(1)),
+    ],
+    ids=["mse", "smooth_l1", "bce_logits", "bce", "nll"],
+)
+def test_loss_gradients_equal_eagers(loss: Callable[..., torch.Tensor]) -> None:
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 4)
+
+        def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss(self.linear(x), target)
+
+    _train_like_eager(WithLoss(), lambda: (torch.randn(5, 6), torch.rand(5, 4)), loss=lambda o: o)
+
+
+def test_dropout_drops_at_its_rate_reuses_its_mask_in_backward_and_leaves_torchs_rng() -> None:
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4000))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.dropout(x * self.weight, 0.25, training=True)
+
+    model = Drop()
+    x = torch.ones(4000)
+    plain = PlainCall(model, x)
+    torch.manual_seed(7)
+    state = torch.random.get_rng_state()
+    out = plain(x)
+    assert ran_in_plain_ort(out)
+    assert torch.equal(torch.random.get_rng_state(), state), "torch's generator was drawn from"
+    zeros = float((out == 0).float().mean())
+    assert 0.2 < zeros < 0.3
+    kept = out != 0
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.75))
+    out.sum().backward()
+    assert model.weight.grad is not None
+    torch.testing.assert_close(model.weight.grad, out.detach())  # the same mask, x = 1
+    second = plain(x)
+    assert not torch.equal(second, out), "every call draws a new mask"
+    torch.manual_seed(7)
+    assert torch.equal(plain(x), out), "the same seed gives the same run"
+
+
+def test_a_call_without_gradients_runs_forward_alone_and_updates_batchnorm() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    plain = PlainCall(model, x)
+    with torch.no_grad():
+        out = plain(x)
+        expected = eager(x)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(model[1].running_var, eager[1].running_var)
+
+
+def test_an_operator_without_onnx_form_is_an_export_error_naming_it() -> None:
+    from ort_autopatch.engine.errors import ExportError
+
+    model = nn.Sequential(nn.Conv3d(1, 2, 2), nn.MaxPool3d(2))
+    with pytest.raises(ExportError, match="max_pool3d_with_indices_backward"):
+        PlainCall(model, torch.randn(1, 1, 5, 5, 5))
+
+
+def _first_call(plain: PlainCall, *inputs: torch.Tensor) -> object:
+    from ort_autopatch.engine.plain import check
+
+    def run_graph(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = plain(*tensors)
+        return out
+
+    def run_eager(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = plain.module(*tensors)
+        return out
+
+    return check.first_call(
+        "M", plain.module, plain.program, run_graph, run_eager, list(inputs), grad=True
+    )
+
+
+def test_the_first_call_check_passes_a_faithful_graph_and_leaves_no_trace() -> None:
+    model, inputs = _batch_norm_graph()
+    plain = PlainCall(model, *inputs)
+    before = [b.clone() for b in model.buffers()]
+    result = _first_call(plain, *inputs)
+    assert getattr(result, "mismatch", "?") is None
+    assert getattr(result, "unverified", "?") is None
+    for a, b in zip(model.buffers(), before, strict=True):
+        assert torch.equal(a, b)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_first_call_check_refuses_a_graph_that_differs_from_eager() -> None:
+    from ort_autopatch.engine import verify
+    from ort_autopatch.engine.plain import decompositions
+
+    dropped = torch.ops.aten._native_batch_norm_legit_functional.default
+    table = {k: v for k, v in decompositions.table().items() if k is not dropped}
+    model, inputs = _batch_norm_graph()
+    plain = PlainCall(model, *inputs, table=table)
+    with pytest.raises(verify.VerificationError, match="output 0 differs"):
+        _first_call(plain, *inputs)
+
+
+def test_the_first_call_check_names_random_operators_it_cannot_compare() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    x = torch.randn(3, 4)
+    result = _first_call(PlainCall(model, x), x)
+    assert getattr(result, "unverified", None) == "random operators (Dropout)"

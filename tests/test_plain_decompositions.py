@@ -1,0 +1,114 @@
+"""The plain backend's own decompositions equal the ATen operators they replace.
+
+Pure torch: each decomposition is called on real tensors beside the operator it stands for
+(the end-to-end tests in test_plain_backend.py hold the whole table to eager through ORT).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ort_autopatch.engine.plain import decompositions
+
+aten = torch.ops.aten
+
+# (dims, in channels, out channels, kernel, stride, padding, dilation, groups, transposed,
+#  output padding)
+CONVOLUTIONS = [
+    (2, 3, 4, 3, 1, 0, 1, 1, False, 0),
+    (2, 4, 6, 3, 2, 1, 1, 2, False, 0),
+    (2, 4, 4, 3, 1, 2, 2, 4, False, 0),  # depthwise, dilated
+    (2, 3, 5, (3, 2), (2, 1), (1, 0), (1, 2), 1, False, 0),
+    (2, 3, 4, 4, 3, 1, 1, 1, False, 0),  # stride leaves trailing positions unread
+    (1, 3, 4, 5, 2, 2, 1, 1, False, 0),
+    (3, 2, 4, 2, 1, 1, 1, 2, False, 0),
+    (2, 4, 6, 3, 2, 1, 1, 1, True, 1),
+    (2, 4, 6, 3, 2, 0, 2, 2, True, 0),
+    (1, 3, 2, 4, 3, 1, 1, 1, True, 2),
+]
+
+
+def _pair(value: int | tuple[int, ...], dims: int) -> list[int]:
+    return list(value) if isinstance(value, tuple) else [value] * dims
+
+
+@pytest.mark.parametrize("case", CONVOLUTIONS, ids=lambda c: "-".join(map(str, c)))
+def test_convolution_backward_equals_atens(case: tuple) -> None:
+    dims, cin, cout, kernel, stride, padding, dilation, groups, transposed, extra = case
+    kernel, stride, padding, dilation = (
+        _pair(v, dims) for v in (kernel, stride, padding, dilation)
+    )
+    torch.manual_seed(0)
+    x = torch.randn(2, cin, *[9 - d for d in range(dims)], dtype=torch.float64)
+    if transposed:
+        w = torch.randn(cin, cout // groups, *kernel, dtype=torch.float64)
+    else:
+        w = torch.randn(cout, cin // groups, *kernel, dtype=torch.float64)
+    args = (stride, padding, dilation, transposed, [extra] * dims, groups)
+    y = aten.convolution(x, w, None, *args)
+    g = torch.randn_like(y)
+    mask = [True, True, True]
+    expected = aten.convolution_backward(g, x, w, [w.shape[1 if transposed else 0]], *args, mask)
+    got = decompositions.convolution_backward(g, x, w, None, *args, mask)
+    for name, a, e in zip(("input", "weight", "bias"), got, expected, strict=True):
+        assert a is not None
+        assert a.shape == e.shape, name
+        torch.testing.assert_close(a, e, msg=f"gradient of the {name}")
+
+
+def test_convolution_backward_computes_only_the_masked_gradients() -> None:
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    g = torch.randn(1, 3, 3, 3)
+    args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    got = decompositions.convolution_backward(g, x, w, None, *args, [False, True, False])
+    assert got[0] is None and got[2] is None and got[1] is not None
+
+
+POOLS = list(
+    itertools.product(
+        [(2, 2), (3, 3), (3, 2)],  # kernel
+        [None, (2, 2), (1, 2)],  # stride
+        [(0, 0), (1, 1)],  # padding
+        [True, False],  # count_include_pad
+        [None, 5],  # divisor_override
+    )
+)
+
+
+@pytest.mark.parametrize("case", POOLS, ids=lambda c: "-".join(map(str, c)))
+def test_avg_pool2d_backward_equals_atens(case: tuple) -> None:
+    kernel, stride, padding, include, divisor = case
+    if padding[0] * 2 > min(kernel):
+        pytest.skip("torch refuses padding larger than half the kernel")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    stride = stride or kernel
+    y = aten.avg_pool2d(x, kernel, stride, padding, False, include, divisor)
+    g = torch.randn_like(y)
+    expected = aten.avg_pool2d_backward(g, x, kernel, stride, padding, False, include, divisor)
+    got = decompositions.avg_pool2d_backward(g, x, kernel, stride, padding, False, include, divisor)
+    torch.testing.assert_close(got, expected)
+
+
+def test_avg_pool2d_backward_refuses_ceil_mode_naming_the_operator() -> None:
+    x = torch.randn(1, 1, 5, 5)
+    g = torch.randn(1, 1, 3, 3)
+    with pytest.raises(decompositions.UndecomposableError, match="avg_pool2d_backward"):
+        decompositions.avg_pool2d_backward(g, x, [2, 2], [2, 2], [0, 0], True, True, None)
+
+
+@pytest.mark.parametrize("out", [(1, 1), (2, 3), (4, 6)])
+def test_adaptive_avg_pool2d_backward_equals_atens(out: tuple[int, int]) -> None:
+    x = torch.randn(2, 3, 8, 12, dtype=torch.float64)
+    g = torch.randn(2, 3, *out, dtype=torch.float64)
+    expected = aten._adaptive_avg_pool2d_backward(g, x)
+    torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
+
+
+def test_adaptive_avg_pool2d_backward_refuses_uneven_sizes() -> None:
+    x, g = torch.randn(1, 1, 7, 7), torch.randn(1, 1, 3, 3)
+    with pytest.raises(decompositions.UndecomposableError, match="adaptive_avg_pool2d"):
+        decompositions.adaptive_avg_pool2d_backward(g, x)

@@ -1,9 +1,10 @@
 """Development sessions (`nox -s NAME`; `nox` alone runs `tests`).
 
 - `demo`: examples/train_mlp.py through the launcher, with its summary.
-- `tests`: the test suite; it then runs `tests_transformers5`.
+- `tests`: the test suite; it then runs `tests_transformers5` and `tests_plain`.
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
+- `tests_plain`: the plain backend's tests on the latest (inference-only) onnxruntime.
 - `lint`: ruff, ruff format, mypy and the README's generated option table.
 - `bench`: every benchmark; results in benchmarks/results/*.json.
 - `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.

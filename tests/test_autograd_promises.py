@@ -93,9 +93,10 @@ def test_in_place_update_of_an_output_backward_does_not_read_is_allowed_as_in_ea
     torch.testing.assert_close(grads[1], grads[0])
 
 
-def test_rss_over_twenty_steps_without_the_cyclic_collector_stays_at_eager_s() -> None:
-    """256 MiB inputs of varying size, `gc.disable()`: whatever a step allocates (ORT's
-    buffers included) is freed when its tensors are, so memory stays flat as in eager."""
+def test_rss_over_steps_of_varying_size_without_the_cyclic_collector_stays_at_eager_s() -> None:
+    """64 MiB inputs of varying size, `gc.disable()`: whatever a step allocates (ORT's
+    buffers included) is freed when its tensors are, so memory stays flat as in eager. (A
+    session's own ORT arena grew by about three inputs a step here: eight steps show it.)"""
     script = textwrap.dedent(
         """
         import gc, json, os, sys
@@ -124,9 +125,9 @@ def test_rss_over_twenty_steps_without_the_cyclic_collector_stays_at_eager_s() -
         model(torch.randn(8, 256)).sum().backward()  # build, imports
         gc.collect()
         gc.disable()
-        rows = 2**18  # 256 MiB of float32
+        rows = 2**16  # 64 MiB of float32: above glibc's largest mmap threshold
         start, peak = rss(), 0.0
-        for step in range(20):
+        for step in range(8):  # each of 4 sizes twice
             x = torch.full((rows + 512 * (step % 4), 256), 0.5, requires_grad=step % 2 == 0)
             out = model(x)
             loss = out.sum()
@@ -151,6 +152,6 @@ def test_rss_over_twenty_steps_without_the_cyclic_collector_stays_at_eager_s() -
         )
         assert done.returncode == 0, done.stderr
         results[mode] = __import__("json").loads(done.stdout.strip().splitlines()[-1])
-    assert results["ort"]["ort_calls"] == 21
-    assert results["ort"]["growth"] < results["eager"]["growth"] + 64, results
-    assert results["ort"]["peak"] < results["eager"]["peak"] + 300, results
+    assert results["ort"]["ort_calls"] == 9
+    assert results["ort"]["growth"] < results["eager"]["growth"] + 16, results
+    assert results["ort"]["peak"] < results["eager"]["peak"] + 75, results

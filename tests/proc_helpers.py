@@ -49,6 +49,38 @@ def run(
     return done
 
 
+def run_side_by_side(
+    commands: Sequence[Sequence[str]],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+) -> list[subprocess.CompletedProcess[str]]:
+    """`run` for independent processes started together: the waiting test process leaves the
+    second core free, so two of them take the wall time of one."""
+    started = [
+        subprocess.Popen(
+            list(args),
+            env=clean_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
+    done = []
+    try:
+        for process in started:
+            out, err = process.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+    for finished in done:
+        found = ORT_LOG_LINE.search(finished.stderr or "")
+        assert found is None, f"ONNX Runtime's C++ logger wrote to stderr: {found[0]}"
+    return done
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,7 +3,6 @@ eager's error, writes to what it does not need are allowed, and nothing of a ste
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from ort_autopatch import patcher, report
-from tests.proc_helpers import REPO, clean_env
+from tests.proc_helpers import run_side_by_side
 
 EAGER_ERROR = "one of the variables needed for gradient computation has been modified by an inplace"
 
@@ -141,15 +140,10 @@ def test_rss_over_steps_of_varying_size_without_the_cyclic_collector_stays_at_ea
         """
     )
     results = {}
-    for mode in ("eager", "ort"):
-        done = subprocess.run(
-            [sys.executable, "-c", script, mode],
-            env=clean_env({"OMP_NUM_THREADS": "1"}),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+    modes = ("eager", "ort")
+    runs = [[sys.executable, "-c", script, mode] for mode in modes]
+    finished = run_side_by_side(runs, {"OMP_NUM_THREADS": "1"}, timeout=300)
+    for mode, done in zip(modes, finished, strict=True):
         assert done.returncode == 0, done.stderr
         results[mode] = __import__("json").loads(done.stdout.strip().splitlines()[-1])
     assert results["ort"]["ort_calls"] == 9

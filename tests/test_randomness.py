@@ -231,11 +231,11 @@ print(json.dumps({"digest": digest.hexdigest(), "ort_calls": calls}))
 def test_two_runs_of_lstm_and_gru_models_with_one_seed_are_bit_identical() -> None:
     import json
 
-    from tests.proc_helpers import PY, run
+    from tests.proc_helpers import PY, run_side_by_side
 
     results = []
-    for _ in range(2):
-        done = run([PY, "-c", RECURRENT_SCRIPT], env={"OMP_NUM_THREADS": "2"}, timeout=180)
+    runs = [[PY, "-c", RECURRENT_SCRIPT]] * 2
+    for done in run_side_by_side(runs, env={"OMP_NUM_THREADS": "2"}, timeout=180):
         assert done.returncode == 0, done.stderr
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert results[0]["ort_calls"] == 8

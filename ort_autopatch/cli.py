@@ -477,6 +477,19 @@ def _check_selection(config: Config, row: Callable[..., str]) -> list[str]:
     return lines
 
 
+def _executor_status(config: Config) -> str:
+    """Compile the ATen executor now, if it is not cached, so that no training run starts
+    without it (a run would build it in the background, its first graphs without it)."""
+    if not config.compile_executor:
+        return "off (--no-compile-executor): gradient nodes call torch through Python"
+    from ort_autopatch.engine import aten_nodes
+
+    try:
+        return f"ready ({aten_nodes.build(aten_nodes.default_folder())})"
+    except Exception as exc:  # the training still runs, through Python: not a problem
+        return f"cannot be built, gradient nodes call torch through Python: {str(exc)[-300:]}"
+
+
 def check(config: Config) -> tuple[str, bool]:
     """A short diagnosis: can this interpreter accelerate, and with which settings.
 
@@ -531,6 +544,8 @@ def check(config: Config) -> tuple[str, bool]:
         except Exception as exc:
             problems.append(f"ONNX Runtime does not load: {exc}")
     ok = not problems
+    if ok:
+        lines.append(row("ATen executor", _executor_status(config)))
     lines.append(row("accelerate", "yes" if ok else "no"))
     lines.extend(f"  problem: {p}" for p in problems)
     lines.extend(f"  note: {n}" for n in notes)

@@ -443,8 +443,9 @@ class Config:
         kind=Switch(),
         engine=True,
         help="on CPU, ORT's slow ReLU, GELU and LayerNorm gradient nodes call torch's backward "
-        "functions through a small C++ executor, compiled once with the machine's C++ compiler "
-        "(about 15 s) and cached in ~/.cache/ort_autopatch; off: through Python, slower",
+        "functions through a small C++ executor, compiled once in the background with the "
+        "machine's C++ compiler (about 15 s) and cached in ~/.cache/ort_autopatch; off: "
+        "through Python, slower",
     )
 
     memory_arena: bool = option(

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ort_autopatch.engine import aten_nodes, runtime
+from ort_autopatch.engine import aten_build, aten_nodes, runtime
 
 needs_compiler = pytest.mark.skipif(
     aten_nodes.compiler() is None, reason="needs a C++ compiler (the fallback is tested below)"
@@ -166,3 +167,121 @@ def test_a_compiler_error_is_reported_with_its_output(
     with pytest.raises(aten_nodes.BuildError, match=r"failed: .*broken\.cpp"):
         aten_nodes.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+# -- the build in the background ----------------------------------------------------------------
+# A stand-in compiler: it waits for the test's go-ahead, then writes the executor the session
+# built at start (tests/conftest.py) to its -o argument; so no test compiles twice, and the
+# build lasts exactly as long as the test wants.
+_COMPILER = """#!/bin/sh
+echo "$$" >> "$COMPILER_RUNS"
+while [ ! -e "$COMPILER_GO" ]; do sleep 0.05; done
+while [ "$#" -gt 1 ]; do
+  if [ "$1" = "-o" ]; then cp "$REAL_EXECUTOR" "$2"; exit; fi
+  shift
+done
+exit 1
+"""
+
+_FIRST_STEPS = """
+import copy, logging, sys, time
+from pathlib import Path
+import onnx, torch
+from ort_autopatch.engine import EngineOptions, ModuleEngine, aten_build, aten_nodes
+
+logging.basicConfig(level=logging.INFO)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+eager = copy.deepcopy(model)
+engine = ModuleEngine(model, EngineOptions(static_after=2))
+x = torch.randn(128, 32)  # 2^15 floats behind the ReLU: its gradient wants torch
+
+def step() -> None:
+    engine(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for got, want in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+
+def graphs() -> list[set[str]]:
+    return [{n.op_type for n in onnx.load_from_string(e.gradient.model).graph.node}
+            for e in engine._cache._entries.values()]
+
+step()  # the first graph: starts the build, does not wait for it
+_, target = aten_nodes._plan(aten_nodes.default_folder())
+print("first step, compiler still running:", aten_build.building(target), flush=True)
+print("first graph:", "ATen" in graphs()[0], "PythonOp" in graphs()[0], flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(0)
+Path(sys.argv[2]).touch()
+deadline = time.monotonic() + 120
+while not target.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+step()
+step()  # the static-shape graph the repeated shape earns: a later build, with the executor
+print("graphs with ATen:", sorted("ATen" in g for g in graphs()), flush=True)
+print("builds:", len(engine.records), engine.records[-1].hot_shape, flush=True)
+"""
+
+
+@pytest.fixture
+def slow_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment of a machine whose cache is empty, with a compiler the test releases."""
+    compiler = tmp_path / "c++"
+    compiler.write_text(_COMPILER)
+    compiler.chmod(0o755)
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "CXX": str(compiler),
+        "COMPILER_RUNS": str(tmp_path / "runs"),
+        "COMPILER_GO": str(tmp_path / "go"),
+        "REAL_EXECUTOR": str(aten_nodes.build(aten_nodes.default_folder())),
+        "OMP_NUM_THREADS": "1",
+    }
+    for name in ("XDG_CACHE_HOME", "CXX"):
+        monkeypatch.setenv(name, env[name])
+    return env
+
+
+def _target() -> Path:
+    return aten_nodes._plan(aten_nodes.default_folder())[1]  # as the subprocesses name it
+
+
+@needs_compiler
+def test_first_steps_run_while_the_executor_compiles_once_then_later_graphs_use_it(
+    tmp_path: Path, slow_compiler: dict[str, str]
+) -> None:
+    # two processes at once, as DDP ranks start: one compiler run, neither step waits for it;
+    # one exits right after its first step (the build outlives it), the other trains on
+    ready = tmp_path / "first-step"
+    leaving, staying = (
+        subprocess.Popen(
+            [sys.executable, "-c", _FIRST_STEPS, mode, str(ready)],
+            env=slow_compiler,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in ("exit", "wait")
+    )
+    left, err = leaving.communicate(timeout=300)
+    assert leaving.returncode == 0, err
+    deadline = time.monotonic() + 300
+    while not ready.exists() and time.monotonic() < deadline:
+        assert staying.poll() is None, staying.communicate()
+        time.sleep(0.1)
+    target = _target()
+    assert aten_build.building(target) and not target.exists()  # both first steps are over
+    Path(slow_compiler["COMPILER_GO"]).touch()  # let the compiler finish
+    out, err = staying.communicate(timeout=300)
+    assert staying.returncode == 0, err
+    first = [
+        "first step, compiler still running: True",
+        "first graph: False True",  # a Python node for the ReLU's gradient, not the executor
+    ]
+    assert left.splitlines() == first
+    assert out.splitlines() == [*first, "graphs with ATen: [False, True]", "builds: 2 True"]
+    assert err.count("is compiling in the background") == 1  # said once, at INFO
+    assert len(Path(slow_compiler["COMPILER_RUNS"]).read_text().split()) == 1
+    # the library, and no temporary file beside it
+    assert [p.name for p in target.parent.iterdir() if p.suffix == ".so"] == [target.name]

@@ -270,6 +270,7 @@ def test_check_reports_a_working_setup() -> None:
     assert "onnxruntime-training-cpu 1.19.2 (training build)" in out
     assert "CPUExecutionProvider" in out
     assert "accelerate    yes" in out
+    assert "ATen executor ready (" in out  # compiled (here at the session's start)
     assert "ORT_AUTOPATCH_MODULES=mypkg.models:Net" in out
     assert f"Python        {sys.version.split()[0]}" in out
 

@@ -7,16 +7,17 @@ a `PythonOp` (`torch_nodes`), whose round trip through Python, ctypes and autogr
 the small gradient kernels it replaces. It has no autograd, so it serves nodes of the backward
 pass, which ORT differentiated already (`gradient_nodes`).
 
-The executor is compiled on first use with the machine's C++ compiler against the torch in the
-running interpreter (about 15 s, once) and cached by the hash of its source, torch's version and
-the compiler; concurrent processes (DDP ranks) wait for one build. Without a compiler, or with
-no folder (the engine's `compile_executor=False`), `executor()` says why and the gradient nodes
-go through Python instead.
+The executor is compiled with the machine's C++ compiler against the torch in the running
+interpreter (about 15 s, once) and cached by the hash of its source, torch's version and the
+compiler. A training step never waits for it: the first graph that wants it starts the build in
+the background (`aten_build`) and runs the slower path (ORT's kernels, or Python nodes for the
+largest), and graphs built once the library exists use it. `python -m ort_autopatch --check` and
+`build()` compile it in the foreground. Without a compiler, or with no folder (the engine's
+`compile_executor=False`), `executor()` says why and the gradient nodes go through Python.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,13 +25,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ort_autopatch.engine import aten_build
 
 log = logging.getLogger("ort_autopatch")
 
@@ -44,6 +46,8 @@ _lock = threading.Lock()
 _registered: Path | None = None  # the library ORT calls (one per process: ORT keeps one)
 _failure: str | None = None  # why the executor is unavailable in this process
 _library: Any = None  # keeps the loaded library referenced
+_announced = False  # this process said that the executor is compiling (once)
+_plans: dict[Path, tuple[list[str], Path]] = {}  # folder -> (compiler line, library)
 
 
 def default_folder() -> Path:
@@ -56,7 +60,8 @@ def executor(folder: Path | None) -> str | None:
     """Make ORT's `ATen` nodes call torch in this process: None when they do, else why not.
 
     `folder` caches the compiled library; None means never compile (and so never call torch
-    from an `ATen` node). The first failure is remembered: one build attempt per process.
+    from an `ATen` node). Without the library, the build starts in the background and the
+    answer is "not yet" until a later call finds it. A failure is remembered: one per process.
     """
     global _registered, _failure, _library
     if folder is None:
@@ -67,8 +72,10 @@ def executor(folder: Path | None) -> str | None:
         if _registered is not None or _failure is not None:
             return _failure
         try:
-            path = build(folder)
-            library = ctypes.CDLL(str(path))
+            command, target = _plan(folder)
+            if not target.exists():
+                return _in_background(command, target)
+            library = ctypes.CDLL(str(target))
             from ort_autopatch.engine import runtime
 
             runtime.capi().register_aten_op_executor(
@@ -76,16 +83,53 @@ def executor(folder: Path | None) -> str | None:
                 str(_address(library.ort_autopatch_execute)),
             )
         except Exception as exc:  # whatever stops it, training goes on through Python
-            _failure = f"the ATen executor could not be built: {str(exc)[-600:]}"
-            log.warning(
-                "%s; torch-calling gradient nodes go through Python (slower; "
-                "--no-compile-executor stops the attempt)",
-                _failure,
-            )
-            return _failure
-        _library, _registered = library, path
-        log.debug("ATen executor: %s", path)
+            return _failed(f"the ATen executor could not be built: {str(exc)[-600:]}")
+        _library, _registered = library, target
+        log.debug("ATen executor: %s", target)
     return None
+
+
+def _failed(reason: str) -> str:
+    global _failure
+    _failure = reason
+    log.warning(
+        "%s; torch-calling gradient nodes go through Python (slower; `python -m ort_autopatch "
+        "--check` tries again, --no-compile-executor stops the attempt)",
+        reason,
+    )
+    return reason
+
+
+def _in_background(command: list[str], target: Path) -> str:
+    """Start (once across processes) the build of `target`; why the executor is not there yet."""
+    global _announced
+    failed = aten_build.failure_path(target)
+    if failed.exists():
+        return _failed(f"the ATen executor could not be built: {failed.read_text()[-600:]}")
+    if not aten_build.building(target):
+        script = Path(aten_build.__file__)
+        # -I -S: no site (so no sitecustomize activating the tool), no user paths; its own
+        # session, so a Ctrl-C of the training does not kill it halfway (it renames a complete
+        # file anyway)
+        builder = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(script), str(target), *command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        # reaped by a daemon thread: nothing waits for the compiler when the process exits
+        threading.Thread(target=builder.wait, name="ort_autopatch-aten-build", daemon=True).start()
+    if not _announced:
+        _announced = True
+        log.info(
+            "the ATen executor for torch %s is compiling in the background (once per torch "
+            "install, ~15 s): until it is ready, gradient nodes run through ORT's kernels or "
+            "Python, and graphs built after that use it (%s)",
+            torch.__version__,
+            target,
+        )
+    return "the ATen executor is compiling in the background"
 
 
 def _address(function: Any) -> int:
@@ -94,8 +138,7 @@ def _address(function: Any) -> int:
     return address
 
 
-class BuildError(Exception):
-    """The compiler is missing or refused the source."""
+BuildError = aten_build.BuildError
 
 
 def compiler() -> str | None:
@@ -107,7 +150,21 @@ def compiler() -> str | None:
 
 
 def build(folder: Path) -> Path:
-    """The compiled executor for this torch, built into `folder` unless already there."""
+    """The compiled executor for this torch, built into `folder` unless already there (in the
+    foreground: waits for a build another process runs)."""
+    command, target = _plan(folder)
+    if target.exists():
+        return target
+    log.info("building the ATen executor for torch %s (once, ~15 s): %s", torch.__version__, target)
+    aten_build.compile_to(command, target, wait=True)
+    return target
+
+
+def _plan(folder: Path) -> tuple[list[str], Path]:
+    """The compiler line and the library it makes in `folder` (named by its key)."""
+    cached = _plans.get(folder)
+    if cached is not None:
+        return cached
     cxx = compiler()
     if cxx is None:
         wanted = os.environ.get("CXX")
@@ -116,31 +173,11 @@ def build(folder: Path) -> Path:
         raise BuildError("no C++ compiler found (install g++, or set CXX to one)")
     command = _command(cxx)
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), torch.__version__, _version(cxx), *command]).encode()
+        "\0".join([SOURCE.read_text(), torch.__version__, _identity(cxx), *command]).encode()
     ).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"aten_executor-{key}.so"
-    if target.exists():
-        return target
-    with _exclusive(folder / f"aten_executor-{key}.lock"):
-        if target.exists():  # another process built it while this one waited
-            return target
-        log.info(
-            "building the ATen executor for torch %s (once, ~15 s): %s", torch.__version__, target
-        )
-        fd, partial = tempfile.mkstemp(dir=folder, prefix=".aten_executor-", suffix=".so")
-        os.close(fd)
-        try:
-            done = subprocess.run(
-                [*command, "-o", partial], capture_output=True, text=True, timeout=600
-            )
-            if done.returncode != 0:
-                raise BuildError(f"{Path(cxx).name} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(partial, target)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-    return target
+    _plans[folder] = command, folder / f"aten_executor-{key}.so"
+    return _plans[folder]
 
 
 def _command(cxx: str) -> list[str]:
@@ -167,29 +204,14 @@ def _command(cxx: str) -> list[str]:
     ]
 
 
-def _version(cxx: str) -> str:
+def _identity(cxx: str) -> str:
+    """The compiler, as the file it is (running `--version` would cost every first call)."""
     try:
-        return subprocess.run(
-            [cxx, "--version"], capture_output=True, text=True, timeout=60
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """One builder at a time across processes (others wait, then find the library)."""
-    if sys.platform == "win32":  # pragma: no cover - ORT training runs on Linux here
-        yield
-        return
-    import fcntl
-
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        real = os.path.realpath(cxx)
+        found = os.stat(real)
+    except OSError:
+        return cxx
+    return f"{real}:{found.st_size}:{found.st_mtime_ns}"
 
 
 def node(

@@ -475,7 +475,7 @@ class Builder:
 
         def aten() -> bool:
             folder = aten_nodes.default_folder() if self.options.compile_executor else None
-            progress.phase = "compiling the ATen executor, once per torch version"
+            progress.phase = "loading the ATen executor"
             try:
                 return aten_nodes.executor(folder) is None
             finally:

@@ -3,8 +3,8 @@ comparison inside a helper explains itself as one in a test does; and no test ma
 of ONNX Runtime's C++ logger reach stderr (errors reach users through the tool's messages);
 and the ATen executor is compiled before the first test (as `python -m ort_autopatch --check`
 does), so every test's graphs use it from the first one and no test's time limit pays for the
-build (the tests of the background build compile into folders of their own). FAST names the quick loop
-(`nox -s tests_fast`, `pytest -m fast`)."""
+build (the tests of the background build compile into folders of their own). FAST names the
+quick loop (`nox -s tests_fast`, `pytest -m fast`)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,17 @@ from ort_autopatch.engine import (
 from ort_autopatch.engine.errors import ExecutionError, SideEffectError
 from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
-from ort_autopatch.hooks import forward_without_hooks, run_post_hooks, run_pre_hooks
+from ort_autopatch.hooks import (
+    backward_hooked,
+    forward_hooked,
+    forward_without_hooks,
+    global_backward_hooks,
+    global_forward_hooks,
+    non_full_backward_hooks,
+    run_post_hooks,
+    run_pre_hooks,
+    setup_backward_hooks,
+)
 from ort_autopatch.policy import (
     DEFAULT_FALLBACK,
     DEFAULT_SKIP_CHECK,
@@ -308,15 +318,20 @@ class _Instance:
                 _warned.add((self.name, reason))
                 log.warning("%s runs in PyTorch: %s", self.name, reason)
             return eager(module, *args, **kwargs)
-        hooked = bool(module._forward_pre_hooks or module._forward_hooks)
+        hooked = forward_hooked(module)
         if hooked:
             # FSDP2's pre-forward hook gathers the full parameters here; its post-forward hook
             # (below) frees them, and the backward hooks it puts on inputs and outputs fire
             # around ORT's backward as around eager autograd.
             args, kwargs = run_pre_hooks(module, args, kwargs)
+        backward_hook = None
+        if backward_hooked(module):
+            # torch's BackwardHook around the inputs and the output: ORT's backward computes
+            # the gradients the hooks see, and their results replace them as in eager
+            backward_hook, args = setup_backward_hooks(module, args)
 
         def in_pytorch() -> Any:
-            if hooked:
+            if hooked or backward_hook is not None:  # this call runs them already
                 return forward_without_hooks(module, args, kwargs)
             return eager(module, *args, **kwargs)
 
@@ -327,6 +342,8 @@ class _Instance:
             output = self._ort_call(module, args, kwargs, in_pytorch)
         if hooked:
             output = run_post_hooks(module, args, kwargs, output)
+        if backward_hook is not None:
+            output = backward_hook.setup_output_hook(output)
         return output
 
     def _ort_call(
@@ -632,20 +649,18 @@ def _by_value(value: Any) -> bool:
 
 def _needs_eager(module: torch.nn.Module, engine: ModuleEngine) -> str | None:
     """Why this call cannot go to ORT at all, or None."""
-    from torch.nn.modules import module as module_mod
-
     if getattr(module, "_is_replica", False):
         # nn.DataParallel replicates the module on every forward: each replica would be a
         # new instance with a new export per step.
         return "DataParallel replica (use DistributedDataParallel)"
-    if (
-        module_mod._global_forward_hooks
-        or module_mod._global_forward_pre_hooks
-        or module_mod._global_backward_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-    ):
-        return "backward or global hooks"
+    if non_full_backward_hooks(module):
+        # they hang on the last autograd node of the output, which is ORT's own
+        return "non-full backward hooks (register_backward_hook)"
+    if global_forward_hooks():
+        # they would also run on the export's own modules, and on every submodule
+        return "global forward hooks"
+    if global_backward_hooks() and engine.has_submodules():
+        return "global backward hooks (they run on every submodule, inside the graph)"
     reason = distributed.fsdp1_reason(module)
     if reason is not None:
         return reason

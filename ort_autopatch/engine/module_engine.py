@@ -132,6 +132,10 @@ class ModuleEngine:
         """Whether a module below the root carries hooks (which cannot run inside ORT)."""
         return self._state.submodule_hooks()
 
+    def has_submodules(self) -> bool:
+        """Whether the module has submodules (a global module hook would run on them)."""
+        return bool(self._state.modules)
+
     def invalidate(self, reason: str = "marked stale") -> None:
         """Forget every graph; the next call re-exports."""
         module = self._module()

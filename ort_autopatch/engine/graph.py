@@ -399,8 +399,8 @@ def torch_node_mode(model: onnx.ModelProto, training: bool) -> int:
 
 
 def torch_node_shapes_unknown(model: onnx.ModelProto) -> int:
-    """Pass each torch-calling node's outputs through `Reshape(y, Shape(y))` in a graph that
-    gets a gradient, so ORT's gradient builder sees their sizes as unknown.
+    """Pass each torch-calling node's outputs through `Reshape(y, Shape(y))`, so ORT sees
+    their sizes as unknown.
 
     ORT 1.19.2's shape inference gives every output of every `PythonOp` the same symbolic
     sizes (`PythonOp_unknown_rank_0`, `_1`, ...), and its gradient builder takes two equal
@@ -409,8 +409,11 @@ def torch_node_shapes_unknown(model: onnx.ModelProto) -> int:
     hardsigmoid squeeze-excitation scale), was built without the sum over the broadcast
     axes, and `b`'s node got a [4, 576, 2, 2] gradient for a [4, 576, 1, 1] output. A
     Reshape to a computed shape has a rank and no sizes, which sends the builder to its
-    run-time path (`BroadcastGradientArgs`, a sum over the axes the shapes broadcast). ORT
-    runs such a Reshape as an alias: no copy.
+    run-time path (`BroadcastGradientArgs`, a sum over the axes the shapes broadcast). ORT's
+    memory planner trusts the same symbols: mobilenet_v3's eval graph failed with "Shape
+    mismatch attempting to re-use buffer. {4,96,1,1} != {4,240,1,1}", so each output is also
+    declared with sizes of its own (`<output>_size<k>`), which ORT's inference keeps. ORT runs
+    such a Reshape as an alias: no copy.
     """
     from onnx import helper
 
@@ -428,12 +431,22 @@ def torch_node_shapes_unknown(model: onnx.ModelProto) -> int:
             produced = _unique(model, f"{name}__torch")
             shape = _unique(model, f"{name}__shape")
             node.output[k] = produced
+            types = _ints(node, "output_tensor_types")
+            ranks = _ints(node, "output_tensor_ranks")
+            if k - 1 < min(len(types), len(ranks)) and ranks[k - 1] >= 0:
+                sizes = [f"{produced}_size{d}" for d in range(ranks[k - 1])]
+                info = helper.make_tensor_value_info(produced, types[k - 1], sizes)
+                model.graph.value_info.append(info)
             nodes.append(helper.make_node("Shape", [produced], [shape]))
             nodes.append(helper.make_node("Reshape", [produced, shape], [name]))
             changed += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return changed
+
+
+def _ints(node: onnx.NodeProto, name: str) -> list[int]:
+    return next((list(a.ints) for a in node.attribute if a.name == name), [])
 
 
 def _integer_scalars(model: onnx.ModelProto) -> dict[str, int]:

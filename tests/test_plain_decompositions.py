@@ -112,3 +112,33 @@ def test_adaptive_avg_pool2d_backward_refuses_uneven_sizes() -> None:
     x, g = torch.randn(1, 1, 7, 7), torch.randn(1, 1, 3, 3)
     with pytest.raises(decompositions.UndecomposableError, match="adaptive_avg_pool2d"):
         decompositions.adaptive_avg_pool2d_backward(g, x)
+
+
+@pytest.mark.parametrize(("dim", "index"), [(0, 0), (1, 2), (-1, -1), (2, 1)])
+def test_select_backward_equals_atens(dim: int, index: int) -> None:
+    sizes = [3, 4, 5]
+    g = torch.randn(*[s for k, s in enumerate(sizes) if k != dim % 3])
+    expected = aten.select_backward(g, sizes, dim, index)
+    torch.testing.assert_close(decompositions.select_backward(g, sizes, dim, index), expected)
+
+
+@pytest.mark.parametrize(
+    ("dim", "start", "end", "step"),
+    [(0, 0, 2, 1), (1, 1, 4, 1), (2, -3, 9223372036854775807, 1), (1, -10, -1, 1), (2, 0, 5, 2)],
+)
+def test_slice_backward_equals_atens(dim: int, start: int, end: int, step: int) -> None:
+    sizes = [3, 4, 5]
+    x = torch.randn(*sizes)
+    g = torch.randn_like(aten.slice(x, dim, start, end, step))
+    expected = aten.slice_backward(g, sizes, dim, start, end, step)
+    got = decompositions.slice_backward(g, sizes, dim, start, end, step)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_threshold_backward_equals_atens_for_finite_gradients(threshold: float) -> None:
+    x = torch.randn(50)
+    x[:5] = threshold  # the boundary counts as below, as in ATen
+    g = torch.randn(50)
+    expected = aten.threshold_backward(g, x, threshold)
+    torch.testing.assert_close(decompositions.threshold_backward(g, x, threshold), expected)

@@ -1430,3 +1430,39 @@ def test_attention_stays_onnx_on_cpu_by_default() -> None:
     engine = ModuleEngine(Attention("causal"))
     engine(torch.randn(2, 5, 16)).sum().backward()
     assert SDPA not in _torch_nodes(engine)
+
+
+class EncoderBlocks(nn.Module):
+    """vit's encoder in small: attention and a whole encoder layer, both with a fast path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.layer(x + self.attention(h, h, h, need_weights=False)[0])
+
+
+def _aten_calls(model: nn.Module, x: torch.Tensor) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(x)
+    return {event.name for event in profile.events()}
+
+
+def test_attention_fast_paths_in_eval_run_in_the_graph() -> None:
+    torch.manual_seed(27)
+    model = EncoderBlocks().eval()
+    engine = ModuleEngine(copy.deepcopy(model))
+    with torch.no_grad():
+        fused = _aten_calls(model, torch.randn(2, 5, 32))
+        assert {"aten::_native_multi_head_attention", "aten::_transformer_encoder_layer_fwd"} <= (
+            fused
+        )  # eager takes both fast paths
+        for step in range(3):
+            x = torch.randn(_batch(step), 5 + step, 32, generator=_gen(step))
+            torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
+    assert len(engine.records) == 1 and not engine.records[0].training
+    assert torch.backends.mha.get_fastpath_enabled()  # the export's switch put back

@@ -8,8 +8,9 @@ Global effect: for the length of an export, process-wide state is rebound, all o
 one `EXPORT_LOCK`, so exports in several threads run one after the other and every rebinding is
 undone in the order it was made: torch's ONNX symbolic registry (`symbolics.registered`),
 `torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), the exporter's
-`_run_symbolic_function` (`_watching_conversions`), `CheckpointFunction.apply` and
-transformers' mask helpers (`tracing.export_rewrites`), and the `__class__` of the exported
+`_run_symbolic_function` (`_watching_conversions`), `CheckpointFunction.apply`,
+transformers' mask helpers and torch's attention fast-path switch (`tracing.export_rewrites`),
+and the `__class__` of the exported
 module's objects while their attribute reads are recorded (`ort_autopatch.recording`), and the
 trace-hazard recorders (`hazards.recording`: torch.Tensor's conversions to Python values,
 `split`/`unbind`/iteration, and the exporter's `_optimize_graph`, which strips traced sizes).

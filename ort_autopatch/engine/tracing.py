@@ -108,10 +108,31 @@ def checkpoint_through_function() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def attention_without_fast_path() -> Iterator[None]:
+    """`nn.MultiheadAttention` and `nn.TransformerEncoderLayer` take their ordinary path.
+
+    In eval mode under no_grad (and every export runs under no_grad) they call fused
+    kernels, `aten::_native_multi_head_attention` and `aten::_transformer_encoder_layer_fwd`,
+    which have no ONNX symbolic (vit's eval call fell back); their ordinary path is the same
+    attention in operators ONNX Runtime runs. torch's own switch for it is process-wide:
+    eager calls in other threads meanwhile take the ordinary path too, with the same values.
+    """
+    from torch.backends import mha
+
+    enabled = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(enabled)
+
+
 #: Every rewrite, by name, in the order they are entered.
 REWRITES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "broadcast_mask_functions": broadcast_mask_functions,
     "checkpoint_through_function": checkpoint_through_function,
+    "attention_without_fast_path": attention_without_fast_path,
 }
 
 

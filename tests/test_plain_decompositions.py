@@ -142,3 +142,41 @@ def test_threshold_backward_equals_atens_for_finite_gradients(threshold: float) 
     g = torch.randn(50)
     expected = aten.threshold_backward(g, x, threshold)
     torch.testing.assert_close(decompositions.threshold_backward(g, x, threshold), expected)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "size"),
+    [([2, 2], [2, 2], [0, 0], 8), ([3, 3], [], [0, 0], 9), ([2, 3], [2, 3], [0, 0], 6)],
+)
+def test_tiling_max_pool_and_its_backward_equal_atens(
+    kernel: list[int], stride: list[int], padding: list[int], size: int
+) -> None:
+    x = torch.randn(2, 3, size, size)
+    x[0, 0, :2, :2] = 1.0  # a tie: the first maximum wins, as in ATen
+    x[1, 1] = 0.0  # all ties (a ReLU's zeros)
+    out, indices = aten.max_pool2d_with_indices(x, kernel, stride, padding)
+    got_out, got_indices = decompositions.max_pool2d_with_indices(x, kernel, stride, padding)
+    torch.testing.assert_close(got_out, out)
+    assert torch.equal(got_indices, indices)
+    g = torch.randn_like(out)
+    expected = aten.max_pool2d_with_indices_backward(
+        g, x, kernel, stride, padding, [1, 1], False, indices
+    )
+    got = decompositions.max_pool2d_with_indices_backward(
+        g, x, kernel, stride, padding, [1, 1], False, indices
+    )
+    torch.testing.assert_close(got, expected)
+
+
+def test_overlapping_max_pool_keeps_atens_operator() -> None:
+    x = torch.randn(1, 1, 7, 7)
+    assert decompositions.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1]) is NotImplemented
+    out, indices = aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1])
+    g = torch.randn_like(out)
+    expected = aten.max_pool2d_with_indices_backward(
+        g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, indices
+    )
+    got = decompositions.max_pool2d_with_indices_backward(
+        g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, indices
+    )
+    torch.testing.assert_close(got, expected)

@@ -19,6 +19,8 @@ from ort_autopatch.config import BY_NAME, Config, load_config
 from ort_autopatch.errors import ConfigError, NotPatchableError, OrtAutopatchError
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from ort_autopatch.hook import ImportHook
 
 __version__ = "0.1.0"
@@ -79,11 +81,22 @@ def install(config: Config | None = None) -> bool:
         from ort_autopatch.hook import ImportHook, Selector
 
         on_class = functools.partial(_patch_found_class, config)
-        hook = ImportHook(Selector(config.modules, config.exclude), on_class)
+        hook = ImportHook(
+            Selector(config.modules, config.exclude),
+            on_class,
+            # torch.compile, when it loads, learns to count the calls of selected classes
+            after_import={"torch._dynamo.config": _count_compiled_calls},
+        )
         hook.install()
         _hook = hook
         _active_config = config
         return True
+
+
+def _count_compiled_calls(dynamo_config: ModuleType) -> None:
+    from ort_autopatch import patcher
+
+    patcher.count_compiled_calls(dynamo_config)
 
 
 def uninstall() -> None:

@@ -98,6 +98,12 @@ def nothing_ran(classes: Mapping[str, Mapping[str, Any]], selected: bool) -> str
         )
     if not classes:
         return "nothing ran in ONNX Runtime: no selected class was found (see the patterns above)"
+    compiled = sum(stats.get("compiled_calls", 0) for stats in classes.values())
+    if compiled and not any(stats.get("instances", 0) for stats in classes.values()):
+        return (
+            f"nothing ran in ONNX Runtime: the selected classes ran under torch.compile "
+            f"({compiled} calls)"
+        )
     if not any(stats.get("instances", 0) for stats in classes.values()):
         names = ", ".join(sorted(classes))
         return f"nothing ran in ONNX Runtime: the selected classes ({names}) were never called"

@@ -176,9 +176,16 @@ class ImportHook:
     `__init_subclass__`; its exceptions are logged, never raised into the user's code.
     """
 
-    def __init__(self, selector: Selector, on_class: Callable[[type], None]) -> None:
+    def __init__(
+        self,
+        selector: Selector,
+        on_class: Callable[[type], None],
+        after_import: dict[str, Callable[[ModuleType], None]] | None = None,
+    ) -> None:
         self.selector = selector
         self._on_class = on_class
+        # module name -> called with the module once it has loaded (or at install, if it has)
+        self._after_import = dict(after_import or {})
         self._finder = _Finder(self)
         self._lock = threading.RLock()
         self._installed = False
@@ -200,6 +207,10 @@ class ImportHook:
             sys.meta_path.insert(0, self._finder)
             if not self._install_subclass_hook():
                 self._torch_pending = True
+        for name in list(self._after_import):
+            loaded = sys.modules.get(name)
+            if loaded is not None:
+                self._loaded_watched(name, loaded)
         for name, module in list(sys.modules.items()):
             if (
                 isinstance(name, str)
@@ -291,10 +302,20 @@ class ImportHook:
                         self._install_subclass_hook()
             # The module may have replaced itself in sys.modules while it ran.
             current = sys.modules.get(name, module)
+            if name in self._after_import:
+                self._loaded_watched(name, current)
             if self.selector.may_match_module(name):
                 self._scan(name, current)
         except Exception:
             _log.error("ort_autopatch failed after importing %s", name, exc_info=True)
+
+    def _loaded_watched(self, name: str, module: ModuleType) -> None:
+        callback = self._after_import.pop(name, None)
+        if callback is not None:
+            try:
+                callback(module)
+            except Exception:
+                _log.error("ort_autopatch failed after importing %s", name, exc_info=True)
 
     def _scan(self, name: str, module: object) -> None:
         """Hand every selected class defined in `module` (nested ones too) to on_class."""
@@ -367,8 +388,10 @@ class _Finder:
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         hook = self._hook
-        if not hook.selector.may_match_module(fullname) and not (
-            hook._torch_pending and fullname == _TORCH_MODULE_MODULE
+        if (
+            not hook.selector.may_match_module(fullname)
+            and not (hook._torch_pending and fullname == _TORCH_MODULE_MODULE)
+            and fullname not in hook._after_import
         ):
             return None
         busy: set[str] | None = getattr(self._local, "busy", None)

@@ -16,6 +16,7 @@ import collections
 import enum
 import logging
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -139,9 +140,17 @@ def patch(cls: type, settings: Settings | None = None) -> bool:
         )
         eager_call = _eager_call_of(cls)
         eager_setattr = cls.__setattr__
+        name = class_name(cls)
 
         def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return _dispatch(self, eager_call, args, kwargs)
+            if _is_compiling():
+                # torch.compile traces this call: it runs as compiled. When this is the frame
+                # torch.compile compiles (torch.compile(model)), dynamo runs `compiled_call`
+                # after its graph on every call (`count_compiled_calls`); it drops such calls
+                # in the frames it inlines (a selected class inside a compiled module).
+                compiled_call(name)
+                return eager_call(self, *args, **kwargs)
+            return _dispatch(self, eager_call, args, kwargs, name)
 
         def __setattr__(self: torch.nn.Module, name: str, value: Any) -> None:
             eager_setattr(self, name, value)
@@ -155,8 +164,9 @@ def patch(cls: type, settings: Settings | None = None) -> bool:
         cls.__call__ = __call__  # type: ignore[method-assign]
         cls.__setattr__ = __setattr__  # type: ignore[method-assign]
         setattr(cls, PATCHED_MARKER, True)
-        report.stats_for(class_name(cls))
-        log.debug("patched %s", class_name(cls))
+        report.stats_for(name)
+        count_compiled_calls()
+        log.debug("patched %s", name)
         return True
 
 
@@ -211,17 +221,16 @@ def mark_stale(module: torch.nn.Module) -> None:
 # -- calls --------------------------------------------------------------------------------------
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _step_aside() -> bool:
-    """Inside someone else's tracer or compiler the original code must run."""
+    """Inside someone else's tracer or exporter, or our own export, the original code must run
+    (torch.compile's tracing is told apart by the patched call: those calls are counted)."""
     # torch.onnx.is_in_onnx_export() is a process-wide flag: it would send other threads'
     # calls to PyTorch while any export runs. The TorchScript exporter traces, and the tracing
     # state is per thread, so is_tracing() covers a user's torch.onnx.export.
-    return (
-        is_exporting()
-        or torch.jit.is_tracing()
-        or torch.compiler.is_compiling()
-        or torch.compiler.is_exporting()
-    )
+    return is_exporting() or torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _dispatch(
@@ -229,13 +238,46 @@ def _dispatch(
     eager: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    name: str,
 ) -> Any:
     if _step_aside():
+        return eager(module, *args, **kwargs)
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        # model.compile() compiled the module in place: its calls run as compiled
+        compiled_call(name)
         return eager(module, *args, **kwargs)
     instance = _instances.get(module)
     if instance is None:
         instance = _new_instance(module)
     return instance.call(module, eager, args, kwargs)
+
+
+def compiled_call(name: str) -> None:
+    """Count a call of the class `name` that torch.compile runs, and say once what happens."""
+    stats = report.stats_for(name)
+    with stats.lock:
+        stats.compiled_calls += 1
+    key = (name, "torch.compile")
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(
+            "%s is compiled by torch.compile: its calls run as torch.compile compiles them, "
+            "not in ONNX Runtime (the report counts them as compiled_calls); leave the "
+            "selected class uncompiled to train it in ONNX Runtime, or exclude it (%s) to "
+            "silence this",
+            name,
+            BY_NAME["exclude"].env,
+        )
+
+
+def count_compiled_calls(config: Any = None) -> None:
+    """Let torch.compile run `compiled_call` on every call it compiles: dynamo defers its
+    reorderable logging functions to after its graph instead of breaking the graph there.
+    `config` is `torch._dynamo.config`, when it loads (the import hook calls this); without
+    it, done only when torch.compile is loaded already (importing it costs a second)."""
+    config = config or sys.modules.get("torch._dynamo.config")
+    if config is not None:
+        config.reorderable_logging_functions.add(compiled_call)
 
 
 def _new_instance(module: torch.nn.Module) -> _Instance:

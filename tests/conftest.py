@@ -44,6 +44,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # by measured durations (`pytest --durations`). A name here that no longer exists is an error
 # of `-m fast`, so a rename cannot shrink the loop unnoticed.
 FAST_FILES = {
+    "tests/test_autocast.py",
+    "tests/test_backward_hooks.py",
     "tests/test_build_safety.py",
     "tests/test_callkey.py",
     "tests/test_config.py",

@@ -141,3 +141,19 @@ def test_a_graph_autocast_leaves_in_float32_runs_in_ort_rebuilt_for_autocast(
     # one graph per autocast state, the second built for the reason that names autocast
     assert dict(stats.rebuilds) == {f"autocast changed (off -> cpu {name})": 1}
     assert stats.exports == 2
+
+
+def test_inference_calls_under_autocast_follow_the_same_rule() -> None:
+    """Eval mode under no_grad: a graph autocast lowers runs in PyTorch with eager's dtype,
+    one it leaves in float32 in ORT, each beside its calls outside autocast."""
+    torch.manual_seed(0)
+    lowered, plain = Mlp().eval(), Elementwise().eval()
+    for model, cls in ((lowered, Mlp), (plain, Elementwise)):
+        for k, autocast in enumerate([None, torch.bfloat16, None]):
+            x = torch.randn(3, 8)
+            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bool(autocast)):
+                out, want = model(x), model.forward(x)
+            assert_close(out, want, f"{cls.__name__} call {k}")
+    assert class_stats(Mlp).ort_calls == 2
+    assert class_stats(Mlp).eager_calls[AUTOCAST_FALLBACK] == 1
+    assert class_stats(Elementwise).ort_calls == 3

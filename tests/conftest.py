@@ -50,17 +50,44 @@ FAST_FILES = {
     "tests/test_callkey.py",
     "tests/test_config.py",
     "tests/test_engine_reporting.py",
+    "tests/test_engine_semantics.py",
     "tests/test_errors.py",
     "tests/test_feedback.py",
     "tests/test_graph_passes.py",
     "tests/test_objects.py",
     "tests/test_policy.py",
+    "tests/test_recompute.py",
     "tests/test_runtime.py",
+    "tests/test_side_effects.py",
+    "tests/test_static_shapes.py",
     "tests/test_symbolics.py",
     "tests/test_tracing.py",
     "tests/test_versions.py",
 }
-FAST_TESTS: set[str] = set()  # "tests/file.py::test_name", every parametrization of it
+# "file::test" takes every parametrization, "file::test[id]" one.
+FAST_TESTS = {
+    "tests/reliability/test_concurrency.py::test_four_threads_training_their_own_instances_match_serial_training",
+    "tests/reliability/test_faults.py::test_gradient_builder_failing_falls_back_with_eager_state",
+    "tests/reliability/test_faults.py::test_ort_failing_inside_backward_raises_typed_and_writes_no_gradient",
+    "tests/reliability/test_inputs.py::test_non_contiguous_inputs_give_eager_results",
+    "tests/test_aten_nodes.py::test_an_aten_node_reads_a_scalar_argument",
+    "tests/test_autograd_promises.py::test_in_place_update_of_a_saved_input_raises_eager_s_error",
+    "tests/test_autograd_promises.py::test_in_place_update_of_an_output_backward_does_not_read_is_allowed_as_in_eager",
+    "tests/test_engine_parity.py::test_bert_for_sequence_classification_parity[sdpa]",
+    "tests/test_engine_parity.py::test_cnn_batchnorm_maxpool_parity_with_dropout_in_eval",
+    "tests/test_engine_parity.py::test_mlp_adamw_parity",
+    "tests/test_engine_parity.py::test_transformer_encoder_layer_parity_dropout_zero",
+    "tests/test_input_variety.py::test_a_branch_on_a_size_keeps_one_graph_until_the_branch_flips",
+    "tests/test_input_variety.py::test_len_of_the_batch_gives_each_batch_size_its_own_graph",
+    "tests/test_patcher.py::test_each_fallback_flag_covers_its_kind_of_failure",
+    "tests/test_patcher.py::test_training_step_calling_self_trains_through_ort",
+    "tests/test_patcher.py::test_unsupported_input_falls_back_with_one_warning",
+    "tests/test_patcher.py::test_writing_an_attribute_forward_reads_rebuilds_and_a_toggle_back_reuses",
+    "tests/test_randomness.py::test_dropout_is_reproducible_under_manual_seed_and_leaves_the_stream_alone",
+    "tests/test_torch_nodes.py::test_a_large_gelus_gradient_runs_in_torch_with_eager_numbers",
+    "tests/test_torch_nodes.py::test_max_min_reductions_and_einsum_train_with_eager_gradients",
+    "tests/test_torch_nodes.py::test_straight_through_estimator_runs_its_own_backward_in_the_graph",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -69,8 +96,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         file = item.path.relative_to(root).as_posix()
         test = f"{file}::{getattr(item, 'originalname', item.name)}"
-        collected.update((file, test))
-        if file in FAST_FILES or test in FAST_TESTS:
+        one = f"{file}::{item.name}"  # with its parameters' id
+        collected.update((file, test, one))
+        if file in FAST_FILES or test in FAST_TESTS or one in FAST_TESTS:
             item.add_marker(pytest.mark.fast)
     if config.option.markexpr != "fast":
         return

@@ -72,6 +72,31 @@ def is_torchrun_agent() -> bool:
     )
 
 
+#: Command lines that only start the user's script in a child of their own (which reports):
+#: `accelerate launch` (its single-process launcher runs `python script.py` with no rank).
+_LAUNCHER_COMMANDS = {
+    ("accelerate", "launch"),
+    ("accelerate-launch",),
+    ("-m", "accelerate.commands.launch"),
+    ("-m", "accelerate.commands.accelerate_cli", "launch"),
+}
+#: Interpreter options that take a value (`python -W error -m x`).
+_VALUED_OPTIONS = {"-W", "-X", "-Q"}
+
+
+def is_launcher_command() -> bool:
+    """Whether this interpreter runs a launcher's command line (`accelerate launch`), read from
+    argv, as sitecustomize can before the launcher's code is imported."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))[1:]
+    while argv and argv[0].startswith("-") and argv[0] != "-m":
+        if argv[0] == "-c":
+            return False
+        argv = argv[2:] if argv[0] in _VALUED_OPTIONS else argv[1:]
+    if argv and argv[0] != "-m":
+        argv[0] = os.path.basename(argv[0])
+    return any(tuple(argv[: len(command)]) == command for command in _LAUNCHER_COMMANDS)
+
+
 def is_multiprocessing_helper() -> bool:
     """Whether multiprocessing started this interpreter (spawn child, forkserver, tracker)."""
     argv = getattr(sys, "orig_argv", sys.argv)
@@ -130,7 +155,7 @@ def _wants_output(config: Config) -> bool:
 
 
 def _claims_report(rank: int | None) -> bool:
-    if is_multiprocessing_helper():
+    if is_multiprocessing_helper() or is_launcher_command():
         return False
     mine = "" if rank is None else str(rank)
     if os.environ.get(ENV_REPORTER) == mine:

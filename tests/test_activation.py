@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MODELS = """
@@ -281,3 +283,27 @@ def test_install_leaves_the_loggers_level_and_propagation_alone() -> None:
     ort_autopatch.uninstall()
     assert installed
     assert (logger.level, logger.propagate, list(logger.handlers)) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "launcher"),
+    [
+        # sys.orig_argv: the interpreter first, then the console script's path
+        (["/venv/bin/python", "/venv/bin/accelerate", "launch", "--cpu", "train.py"], True),
+        (["/venv/bin/python", "/venv/bin/accelerate-launch", "train.py"], True),
+        (["python", "-W", "ignore", "-m", "accelerate.commands.launch", "train.py"], True),
+        (["python", "-m", "accelerate.commands.accelerate_cli", "launch", "train.py"], True),
+        (["/venv/bin/python", "/venv/bin/accelerate", "env"], False),
+        (["python", "train.py", "accelerate", "launch"], False),
+        (["python", "-c", "import accelerate"], False),
+    ],
+)
+def test_a_launcher_command_leaves_the_report_to_the_script_it_starts(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], launcher: bool
+) -> None:
+    # `accelerate launch --cpu` runs the script in one child with no rank: were the launcher
+    # to claim the report (and tell its children so), the summary would say nothing ran
+    from ort_autopatch import activation
+
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert activation.is_launcher_command() is launcher

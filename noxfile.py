@@ -26,6 +26,9 @@ TORCH = "torch==2.13.0"
 TRANSFORMERS = "transformers==4.57.6"
 TRANSFORMERS5 = "transformers==5.23.0"
 ACCELERATE = "accelerate==1.15.0"  # transformers' Trainer needs it (examples/hf_trainer.py)
+# tests/test_libraries.py and the examples: neither pulls another torch (pip --dry-run)
+LIGHTNING = "lightning==2.6.6"
+PEFT = "peft==0.21.2"
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -34,7 +37,16 @@ def _install(session: nox.Session, *extra: str) -> None:
 
 
 # setuptools: test_processes builds the wheel without build isolation.
-TEST_DEPS = ("pytest", "pytest-timeout", "setuptools", TRANSFORMERS, ACCELERATE, "numpy")
+TEST_DEPS = (
+    "pytest",
+    "pytest-timeout",
+    "setuptools",
+    TRANSFORMERS,
+    ACCELERATE,
+    LIGHTNING,
+    PEFT,
+    "numpy",
+)
 
 
 @nox.session(python=PYTHON)
@@ -67,7 +79,7 @@ TRANSFORMERS_TESTS = (
 @nox.session(python=PYTHON)
 def tests_transformers5(session: nox.Session) -> None:
     """The transformers-dependent tests against transformers 5.x (`nox -s tests` runs it)."""
-    _install(session, "pytest", "pytest-timeout", TRANSFORMERS5, ACCELERATE, "numpy")
+    _install(session, "pytest", "pytest-timeout", TRANSFORMERS5, ACCELERATE, LIGHTNING, "numpy")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *TRANSFORMERS_TESTS, *session.posargs)
 
 

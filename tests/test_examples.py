@@ -60,3 +60,26 @@ def test_hf_trainer_example(tmp_path: pathlib.Path) -> None:
     assert bert["eager_reasons"] == [
         {"reason": "forward changed state: traced again next call", "count": 1}
     ]
+
+
+def test_lightning_example(tmp_path: pathlib.Path) -> None:
+    # (parity with eager call by call: tests/test_libraries.py; the accelerate example runs in
+    # tests/test_ddp.py)
+    result = run(
+        [
+            *LAUNCHER,
+            "--modules",
+            "__main__:Classifier",
+            "--report",
+            str(tmp_path / "r.json"),
+            str(REPO / "examples" / "train_lightning.py"),
+            "--steps",
+            "6",
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "trained 6 steps" in result.stdout
+    classifier = _classes(tmp_path / "r.json")["__main__:Classifier"]
+    assert (classifier["ort_calls"], classifier["eager_calls"], classifier["exports"]) == (6, 0, 1)

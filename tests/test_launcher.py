@@ -105,18 +105,33 @@ def _without_runpy_frames(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if "<frozen runpy>" not in line)
 
 
+ENTRIES = {
+    "script": (["probe.py", "a", "b"], ""),
+    "relative-script": (["../probe.py", "--flag", "c"], "pkg"),
+    "-m-module": (["-m", "pkg.mod", "a", "b"], ""),
+    "-m-package": (["-m", "pkg", "x"], ""),
+    "folder": (["pkg", "y"], ""),  # a folder with __main__.py
+}
+# Every way in with an exception (its traceback's frames depend on the way in), and each other
+# way out (exit 0, exit 3, sys.exit("bye"), ^C) through two or three ways in, not all 25 pairs.
+PROBES = [(entry, "raise") for entry in ENTRIES] + [
+    ("script", "0"),
+    ("-m-module", "0"),
+    ("folder", "0"),
+    ("relative-script", "3"),
+    ("-m-package", "3"),
+    ("script", "bye"),
+    ("-m-package", "bye"),
+    ("-m-module", "kbd"),
+    ("folder", "kbd"),
+]
+
+
 @pytest.mark.parametrize(
-    ("args", "subdir"),
-    [
-        (["probe.py", "a", "b"], ""),
-        (["../probe.py", "--flag", "c"], "pkg"),
-        (["-m", "pkg.mod", "a", "b"], ""),
-        (["-m", "pkg", "x"], ""),
-        (["pkg", "y"], ""),  # a folder with __main__.py
-    ],
-    ids=["script", "relative-script", "-m-module", "-m-package", "folder"],
+    ("args", "subdir", "exit_how"),
+    [(*ENTRIES[entry], exit_how) for entry, exit_how in PROBES],
+    ids=[f"{exit_how}-{entry}" for entry, exit_how in PROBES],
 )
-@pytest.mark.parametrize("exit_how", ["0", "3", "bye", "raise", "kbd"])
 def test_probe_parity(probe_dir: pathlib.Path, args: list[str], subdir: str, exit_how: str) -> None:
     plain, ours = _both(args, probe_dir / subdir, exit_how)
     assert ours[0] == plain[0], ours[2]

@@ -147,8 +147,11 @@ def patch(cls: type, settings: Settings | None = None) -> bool:
                 # torch.compile traces this call: it runs as compiled. When this is the frame
                 # torch.compile compiles (torch.compile(model)), dynamo runs `compiled_call`
                 # after its graph on every call (`count_compiled_calls`); it drops such calls
-                # in the frames it inlines (a selected class inside a compiled module).
-                compiled_call(name)
+                # in the frames it inlines (a selected class inside a compiled module). Not
+                # registered, dynamo would break its graph on the call: then it is not made.
+                # torch.export (which runs this code in Python when not strict) is no call.
+                if _dynamo_counts and not torch.compiler.is_exporting():
+                    compiled_call(name)
                 return eager_call(self, *args, **kwargs)
             return _dispatch(self, eager_call, args, kwargs, name)
 
@@ -222,6 +225,7 @@ def mark_stale(module: torch.nn.Module) -> None:
 
 
 _is_compiling = torch.compiler.is_compiling
+_dynamo_counts = False  # compiled_call is one of dynamo's reorderable logging functions
 
 
 def _step_aside() -> bool:
@@ -274,10 +278,13 @@ def count_compiled_calls(config: Any = None) -> None:
     """Let torch.compile run `compiled_call` on every call it compiles: dynamo defers its
     reorderable logging functions to after its graph instead of breaking the graph there.
     `config` is `torch._dynamo.config`, when it loads (the import hook calls this); without
-    it, done only when torch.compile is loaded already (importing it costs a second)."""
+    it, done only when torch.compile is loaded already (importing it costs a second), so a
+    class patched by hand without `install()` before torch.compile loads is not counted."""
+    global _dynamo_counts
     config = config or sys.modules.get("torch._dynamo.config")
     if config is not None:
         config.reorderable_logging_functions.add(compiled_call)
+        _dynamo_counts = True
 
 
 def _new_instance(module: torch.nn.Module) -> _Instance:

@@ -27,7 +27,7 @@ from torch import nn
 from ort_autopatch import patcher
 from ort_autopatch.engine import EngineOptions
 from tests.helpers import assert_close, class_stats, patched
-from tests.proc_helpers import LAUNCHER, run
+from tests.proc_helpers import LAUNCHER, PY, run
 
 
 class Net(nn.Module):
@@ -165,3 +165,45 @@ def test_the_report_counts_compiled_calls_when_torch_compile_loads_after_the_too
     assert counts["compiled_calls"] == 4
     assert counts["ort_calls"] == 1 and counts["eager_calls"] == 0
     assert done.stderr.count("is compiled by torch.compile") == 1
+
+
+def test_torch_export_of_a_selected_class_traces_its_code_uncounted() -> None:
+    model = Net()
+    x = torch.randn(2, 6)
+    program = torch.export.export(model, (x,))
+    with patcher_off():
+        want = model(x)
+    assert_close(program.module()(x), want, "exported program")
+    stats = class_stats(Net)
+    assert stats.compiled_calls == 0 and stats.ort_calls == 0 and not stats.eager_calls
+
+
+def test_a_class_patched_by_hand_before_torch_compile_loads_keeps_the_graph_whole() -> None:
+    """Without the import hook, dynamo never learns of the count: the patched call then makes
+    no call dynamo would break its graph on (fullgraph=True still compiles), uncounted."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from torch import nn
+        from ort_autopatch import patcher, report
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(6, 3)
+
+            def forward(self, x):
+                return self.fc(x)
+
+        patcher.patch(Net)
+        assert "torch._dynamo" not in sys.modules
+        compiled = torch.compile(Net(), backend="eager", fullgraph=True)
+        for _ in range(2):
+            compiled(torch.randn(2, 6))
+        print(report.stats_for(patcher.class_name(Net)).compiled_calls)
+        """
+    )
+    done = run([PY, "-c", code], timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"]

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,52 +61,74 @@ def _launch(
     )
 
 
-def test_the_report_names_exports_rebuilds_fallbacks_and_unmatched_patterns(tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
+@dataclass(frozen=True)
+class Run:
+    folder: Path  # the script's folder
+    result: subprocess.CompletedProcess[str]
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return json.loads((self.folder / "report.json").read_text())  # type: ignore[no-any-return]
+
+    def cache_copy(self, to: Path) -> Path:
+        """A copy of the run's graph cache, for a test that changes it."""
+        return Path(shutil.copytree(self.folder / "cache", to / "cache"))
+
+
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One launch shared by the tests of its report, its summary and its cache (each launch
+    costs a Python start with torch and ONNX Runtime): a JSON report, the summary at INFO, a
+    graph cache to start empty."""
+    folder = tmp_path_factory.mktemp("run")
     result = _launch(
-        tmp_path, "--modules", "__main__:Net,nowhere.models:Missing", "--report", str(report)
+        folder,
+        *("--modules", "__main__:Net,nowhere.models:Missing", "--log-level", "INFO"),
+        *("--report", str(folder / "report.json")),
+        cache=folder / "cache",
     )
     assert result.returncode == 0, result.stderr
-    data = json.loads(report.read_text())
+    return Run(folder, result)
+
+
+def test_the_report_names_exports_rebuilds_fallbacks_and_unmatched_patterns(cold_run: Run) -> None:
+    data = cold_run.report
     assert {"version", "torch", "onnxruntime", "classes", "unmatched"} <= set(data)
     net = data["classes"]["__main__:Net"]
     assert net["instances"] == 1
     assert net["ort_calls"] == 4 and net["eager_calls"] == 2
-    assert net["exports"] == 2 and net["ignored_writes"] == 3
+    assert net["exports"] == 2 and net["ignored_writes"] == 3 and net["cache_loads"] == 0
     assert net["rebuilds"] == [{"reason": "attribute Net.scale written", "count": 1}]
     (fallback,) = net["fallbacks"]
     assert fallback["reason"] == "unsupported input" and fallback["count"] == 2
     assert "extra" in fallback["detail"]
     assert net["export_seconds"] > 0 and net["build_seconds"] > 0
     assert data["unmatched"] == ["nowhere.models:Missing"]
-    assert result.stderr.count("runs in PyTorch (unsupported input)") == 1
+    assert cold_run.result.stderr.count("runs in PyTorch (unsupported input)") == 1
 
 
-def test_the_text_summary_is_one_compact_table(tmp_path: Path) -> None:
-    result = _launch(tmp_path, "--modules", "__main__:Net", "--report", "-")
-    assert result.returncode == 0, result.stderr
-    summary = result.stderr[result.stderr.index("ort_autopatch ") :]
+def test_the_text_summary_is_one_compact_table(cold_run: Run) -> None:
+    stderr = cold_run.result.stderr
+    summary = stderr[stderr.index("ort_autopatch ") :]
     assert "__main__:Net" in summary
     assert "rebuilt: attribute Net.scale written x1" in summary
     assert "fell back: unsupported input" in summary
     assert len(summary.splitlines()) < 25
 
 
-def test_a_second_run_loads_its_graphs_from_the_cache(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+def test_a_second_run_loads_its_graphs_from_the_cache(cold_run: Run, tmp_path: Path) -> None:
+    cache = cold_run.cache_copy(tmp_path)
     report = tmp_path / "report.json"
     options = ("--modules", "__main__:Net", "--report", str(report))
-    assert _launch(tmp_path, *options, cache=cache).returncode == 0
-    result = _launch(tmp_path, *options, cache=cache)
+    result = _launch(cold_run.folder, *options, cache=cache)  # the same script file
     assert result.returncode == 0, result.stderr
     net = json.loads(report.read_text())["classes"]["__main__:Net"]
     assert net["exports"] == 0 and net["cache_loads"] == 2
     assert net["rebuilds"] == [{"reason": "attribute Net.scale written", "count": 1}]
 
 
-def test_clear_cache_empties_the_folder(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    assert _launch(tmp_path, "--modules", "__main__:Net", cache=cache).returncode == 0
+def test_clear_cache_empties_the_folder(cold_run: Run, tmp_path: Path) -> None:
+    cache = cold_run.cache_copy(tmp_path)
     assert any(cache.iterdir())
     result = subprocess.run(
         [sys.executable, "-m", "ort_autopatch", "--clear-cache", "--cache-dir", str(cache)],
@@ -161,8 +188,6 @@ def test_the_report_is_written_with_transformers_accelerate_and_lightning_import
 ) -> None:
     """transformers 5 imports torchrun's elastic-agent modules in every process; the report
     must still be written (only torchrun's own agent leaves it to its ranks)."""
-    import pytest
-
     pytest.importorskip("transformers")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(LIBRARY_SCRIPT))

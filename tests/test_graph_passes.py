@@ -318,3 +318,26 @@ def test_a_moved_tensor_read_by_more_than_gathers_is_left_alone() -> None:
     model = _packed_qkv(extra_reader=True)
     assert graph.gather_without_axis_move(model) == 0
     assert "Transpose" in [n.op_type for n in model.graph.node]
+
+
+def test_torch_node_outputs_reach_their_readers_through_a_reshape_of_their_own_sizes() -> None:
+    python_op = helper.make_node(
+        "PythonOp",
+        ["x"],
+        ["ctx", "a"],
+        domain="com.microsoft",
+        output_tensor_types=[TensorProto.FLOAT],
+        output_tensor_ranks=[2],
+    )
+    model = _model([python_op, helper.make_node("Mul", ["a", "x"], ["y"])], ["x"], ["y"])
+    assert graph.torch_node_shapes_unknown(model) == 1
+    op_types = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert op_types == [
+        ("PythonOp", ["x"], ["ctx", "a__torch"]),
+        ("Shape", ["a__torch"], ["a__shape"]),
+        ("Reshape", ["a__torch", "a__shape"], ["a"]),  # readers keep the old name
+        ("Mul", ["a", "x"], ["y"]),
+    ]
+    (info,) = model.graph.value_info
+    dims = [d.dim_param for d in info.type.tensor_type.shape.dim]
+    assert (info.name, dims) == ("a__torch", ["a__torch_size0", "a__torch_size1"])

@@ -4,6 +4,8 @@
 # run the zoo's parity on CUDA and time BERT-base and GPT-2 small training steps (batch 8,
 # sequence 128, fp32 and fp16 autocast) eager vs ORT, then FSDP2 (`fully_shard` on every block of a
 # GPT, NCCL, one rank per GPU, up to 2) eager vs ORT: final parameters, peak memory and step time.
+# Then the torch-calling nodes' CUDA tests, and autocast on CUDA (tests/test_autocast.py -k cuda:
+# float16 and bfloat16 autocast calls run in ORT with eager's dtypes and numbers).
 # Results land in OUT_DIR.
 #
 #   benchmarks/gpu_check.sh OUT_DIR [--dry-run] [--wheels DIR]

@@ -228,7 +228,14 @@ def _failure(step: Step, phase: str, exc: BaseException) -> ExecutionError:
         if inner is not None
         else f"ONNX Runtime {phase} failed: {ort_message(exc)}"
     )
-    return ExecutionError(step.module_class, cause, "Run eagerly")
+    remedy = (
+        "Its forward ran in ONNX Runtime, so this backward cannot run in PyTorch instead; the "
+        "class's later training calls run in PyTorch. Exclude the class "
+        "(ORT_AUTOPATCH_EXCLUDE) to run it in PyTorch from the start, and report the model"
+        if phase == "backward"
+        else "Run eagerly"
+    )
+    return ExecutionError(step.module_class, cause, remedy)
 
 
 def _run_forward(

@@ -504,18 +504,6 @@ def test_check_warns_about_a_typo_with_a_suggestion(tmp_path: pathlib.Path) -> N
     assert "  (checked when the script runs: __main__:Net)" in lines
 
 
-def test_summary_on_stderr_at_info(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "train.py").write_text(TRAIN)
-    result = run(
-        [*LAUNCHER, "--modules", "__main__:Net", "--log-level", "INFO", "train.py"], cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    assert "ort_autopatch 0.1.0 summary" in result.stderr
-    line = next(x for x in result.stderr.splitlines() if x.strip().startswith("__main__:Net"))
-    assert line.split()[1:5] == ["1", "3", "0", "1"]  # instances, ORT calls, eager, exports
-    assert len(result.stderr.splitlines()) < 25  # one screen
-
-
 @pytest.mark.parametrize(
     ("rank", "template", "written", "summary"),
     [

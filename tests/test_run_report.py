@@ -107,10 +107,11 @@ def test_the_report_names_exports_rebuilds_fallbacks_and_unmatched_patterns(cold
     assert cold_run.result.stderr.count("runs in PyTorch (unsupported input)") == 1
 
 
-def test_the_text_summary_is_one_compact_table(cold_run: Run) -> None:
+def test_the_text_summary_at_info_is_one_compact_table(cold_run: Run) -> None:
     stderr = cold_run.result.stderr
-    summary = stderr[stderr.index("ort_autopatch ") :]
-    assert "__main__:Net" in summary
+    summary = stderr[stderr.index("ort_autopatch 0.1.0 summary") :]
+    line = next(x for x in summary.splitlines() if x.strip().startswith("__main__:Net"))
+    assert line.split()[1:5] == ["1", "4", "2", "2"]  # instances, ORT calls, eager, exports
     assert "rebuilt: attribute Net.scale written x1" in summary
     assert "fell back: unsupported input" in summary
     assert len(summary.splitlines()) < 25

@@ -5,7 +5,7 @@
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
 - `tests_plain`: the plain backend's tests on the latest (inference-only) onnxruntime.
-- `lint`: ruff, ruff format, mypy and the README's generated option table.
+- `lint`: ruff, ruff format, mypy and the README's generated tables (options, benchmarks).
 - `bench`: every benchmark; results in benchmarks/results/*.json.
 - `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.
 - `soak`: every reliability scenario, the 2000-step soak included; README's reliability table.
@@ -102,12 +102,15 @@ def tests_plain(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff and mypy over the package, and the README's generated option table."""
+    """ruff and mypy over the package; the README's generated option and benchmark tables."""
     _install(session, "ruff", "mypy")
     session.run("ruff", "check", "ort_autopatch", "tests", "benchmarks", "tools", "noxfile.py")
     session.run("ruff", "format", "--check", "ort_autopatch", "tools")
     session.run("mypy")
     session.run("python", "tools/readme_options.py", "--check")
+    # the README's benchmark tables are those of the committed results
+    session.run("python", "benchmarks/render_engine.py", "--check")
+    session.run("python", "benchmarks/render_zoo.py", "--check")
 
 
 @nox.session(python=PYTHON)
@@ -140,6 +143,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_export_paths.py")
     session.run("python", "benchmarks/bench_cache.py")
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", env=ZOO_ENV)
+    session.run("python", "benchmarks/render_engine.py")
     session.run("python", "benchmarks/render_zoo.py")
     session.run("python", "benchmarks/render_report.py")
 

@@ -120,6 +120,14 @@ def unmatched_patterns() -> list[str]:
         return _hook.selector.unmatched() if _hook is not None else []
 
 
+def named_outright(name: str) -> bool:
+    """Whether an allowlist pattern spells out the class `module:qualname` (no wildcard on its
+    class side), for the exit report's list of classes."""
+    module, _, qualname = name.partition(":")
+    with _lock:
+        return _hook is not None and _hook.selector.names_exactly(module, qualname)
+
+
 def refused_reason() -> str | None:
     """Why the last `install()` accelerated nothing (an untested torch, no usable ONNX
     Runtime), for the exit report; None when it installed or was never asked to."""

@@ -24,7 +24,13 @@ import sys
 import threading
 from typing import Any
 
-from ort_autopatch import feedback, install, refused_reason, unmatched_patterns
+from ort_autopatch import (
+    feedback,
+    install,
+    named_outright,
+    refused_reason,
+    unmatched_patterns,
+)
 from ort_autopatch import report as _report
 from ort_autopatch.config import Config, load_config
 from ort_autopatch.errors import OrtAutopatchError
@@ -209,7 +215,7 @@ def tell_selection(data: dict[str, Any], selected: bool) -> None:
         if candidates is None:
             candidates = feedback.imported_classes()
         _log.warning("%s", feedback.unmatched_message(pattern, candidates))
-    line = feedback.nothing_ran(data["classes"], selected)
+    line = feedback.nothing_ran(data["classes"], selected, data.get("uncalled_classes", 0))
     if line is not None:
         _log.warning("%s", line)
 
@@ -217,7 +223,7 @@ def tell_selection(data: dict[str, Any], selected: bool) -> None:
 def finish_report(config: Config, rank: int | None) -> None:
     """Say what the selection did, and write the JSON report and/or the text summary this
     process owes (rank rules apply)."""
-    data = _report.build(unmatched_patterns(), refused=refused_reason())
+    data = _report.build(unmatched_patterns(), refused=refused_reason(), named=named_outright)
     if not rank and data["refused"] is None:  # a refusal was said when it happened
         tell_selection(data, selected=bool(config.modules))
     target = config.report

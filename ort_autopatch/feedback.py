@@ -87,8 +87,11 @@ def unmatched_message(
     return f"{text} among the modules this process imported"
 
 
-def nothing_ran(classes: Mapping[str, Mapping[str, Any]], selected: bool) -> str | None:
-    """One line saying why nothing ran in ONNX Runtime, or None when something did."""
+def nothing_ran(
+    classes: Mapping[str, Mapping[str, Any]], selected: bool, uncalled: int = 0
+) -> str | None:
+    """One line saying why nothing ran in ONNX Runtime, or None when something did.
+    `uncalled`: classes a wildcard selected that were never called (left out of `classes`)."""
     if any(stats.get("ort_calls", 0) for stats in classes.values()):
         return None
     if not selected:
@@ -96,6 +99,8 @@ def nothing_ran(classes: Mapping[str, Mapping[str, Any]], selected: bool) -> str
             "nothing ran in ONNX Runtime: no class is selected (give --modules or "
             "ORT_AUTOPATCH_MODULES)"
         )
+    if not classes and uncalled:
+        return f"nothing ran in ONNX Runtime: none of the {uncalled} selected classes was called"
     if not classes:
         return "nothing ran in ONNX Runtime: no selected class was found (see the patterns above)"
     compiled = sum(stats.get("compiled_calls", 0) for stats in classes.values())

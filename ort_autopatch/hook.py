@@ -105,6 +105,18 @@ class Selector:
             self._matched.update(hits)
         return not self.excluded(module_name, qualname)
 
+    def names_exactly(self, module_name: str, qualname: str) -> bool:
+        """Whether a pattern spells this class's name out (no wildcard on the class side):
+        the user meant this very class, where a wildcard's matches are only candidates."""
+        literal = [
+            (mod_rx, cls_rx)
+            for (mod_rx, cls_rx), (_, cls) in zip(
+                self._compiled_patterns, self._patterns, strict=True
+            )
+            if not _has_wildcard(cls)
+        ]
+        return bool(literal) and bool(_hits(literal, module_name, qualname, first=True))
+
     def excluded(self, module_name: str, qualname: str) -> bool:
         """Whether the exclude list names the class `module_name:qualname`."""
         return bool(self._compiled_excludes) and bool(
@@ -347,9 +359,12 @@ class ImportHook:
                 return
             self._seen.add(cls)
         if not _is_torch_module(cls):
+            # A wildcard over a module selects its classes of every kind ('torchvision.models.*:*'
+            # meets 140 weight enums and helpers): only a class named outright is a mistake.
             label = f"{cls.__module__}:{cls.__qualname__}"
+            named = self.selector.names_exactly(cls.__module__, cls.__qualname__)
             with self._seen_lock:
-                first = label not in self._warned
+                first = named and label not in self._warned
                 self._warned.add(label)
             if first:  # once per name, so reloading a module does not repeat it
                 _log.warning(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,13 +138,25 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def build(unmatched: list[str], refused: str | None = None) -> dict[str, Any]:
+def build(
+    unmatched: list[str],
+    refused: str | None = None,
+    named: Callable[[str], bool] = lambda name: True,
+) -> dict[str, Any]:
     """The report (docs/report.md): versions, why nothing was accelerated if the tool refused
-    the run, per-class counters, patterns that matched nothing."""
+    the run, per-class counters, patterns that matched nothing.
+
+    A class that was never called is listed only when a pattern `named` it outright: a wildcard
+    over a package selects every helper module class in it (`torchvision.models.*:*` patches
+    about 130 blocks and layers that run inside the models' graphs), and those are counted.
+    """
+    classes = snapshot()
+    listed = {name: c for name, c in classes.items() if c["instances"] or named(name)}
     return {
         **versions(),
         "refused": refused,
-        "classes": snapshot(),
+        "classes": listed,
+        "uncalled_classes": len(classes) - len(listed),
         "unmatched": list(unmatched),
     }
 
@@ -176,6 +189,8 @@ def summary(data: dict[str, Any], max_classes: int = 12) -> str:
     classes: dict[str, dict[str, Any]] = data.get("classes", {})
     if data.get("refused"):
         lines.append(f"  nothing accelerated, the script ran in PyTorch: {data['refused']}")
+    elif not classes and data.get("uncalled_classes"):
+        lines.append(f"  none of the {data['uncalled_classes']} selected classes was called")
     elif not classes:
         lines.append("  no selected class was created in this process")
     else:
@@ -213,6 +228,11 @@ def summary(data: dict[str, Any], max_classes: int = 12) -> str:
                 lines.append(f"    ... {len(why) - 4} more reasons in the JSON report")
         if len(classes) > max_classes:
             lines.append(f"  ... {len(classes) - max_classes} more classes in the JSON report")
+        if data.get("uncalled_classes"):
+            lines.append(
+                f"  and {data['uncalled_classes']} classes a wildcard selected, never called "
+                "(blocks of the models above run inside their graphs)"
+            )
     unmatched = data.get("unmatched", [])
     if unmatched:
         lines.append(f"  patterns that matched no class: {', '.join(unmatched)}")

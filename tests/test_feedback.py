@@ -80,3 +80,9 @@ def test_nothing_ran_names_classes_never_called() -> None:
     assert feedback.nothing_ran({"m:A": {"instances": 0, "ort_calls": 0}}, selected=True) == (
         "nothing ran in ONNX Runtime: the selected classes (m:A) were never called"
     )
+
+
+def test_nothing_ran_counts_the_uncalled_classes_a_wildcard_selected() -> None:
+    assert feedback.nothing_ran({}, selected=True, uncalled=130) == (
+        "nothing ran in ONNX Runtime: none of the 130 selected classes was called"
+    )

@@ -424,7 +424,7 @@ def test_each_class_is_delivered_once_though_both_hooks_see_it(
     assert recorder.names == ["Net"]
 
 
-def test_non_module_class_is_skipped_with_one_warning(
+def test_non_module_class_named_outright_is_skipped_with_one_warning(
     name: str,
     write: Callable[..., None],
     make_hook: Callable[..., Any],
@@ -432,7 +432,7 @@ def test_non_module_class_is_skipped_with_one_warning(
 ) -> None:
     write({f"{name}.py": "class Settings:\n    pass\n"})
     with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
-        hook, recorder = make_hook([f"{name}:*"])
+        hook, recorder = make_hook([f"{name}:Settings"])
         importlib.import_module(name)
         hook.uninstall()
         hook.install()
@@ -440,6 +440,24 @@ def test_non_module_class_is_skipped_with_one_warning(
     warnings = [r for r in caplog.records if f"{name}:Settings" in r.getMessage()]
     assert len(warnings) == 1
     assert "not a torch.nn.Module subclass" in warnings[0].getMessage()
+
+
+def test_wildcard_over_non_module_classes_skips_them_silently(
+    name: str,
+    write: Callable[..., None],
+    make_hook: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # What `--modules 'torchvision.models.*:*'` meets: weight enums, helpers, dataclasses.
+    helpers = "".join(f"class Weights{i}(enum.Enum):\n    A = 1\n" for i in range(20))
+    helpers += "".join(f"class Helper{i}:\n    pass\n" for i in range(20))
+    net = "class Net(torch.nn.Module):\n    pass\n"
+    write({f"{name}.py": f"import enum\nimport torch\n{helpers}{net}"})
+    with caplog.at_level(logging.DEBUG, logger="ort_autopatch"):
+        _, recorder = make_hook([f"{name[:-2]}*:*"])
+        importlib.import_module(name)
+    assert recorder.names == ["Net"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_reload_delivers_each_new_class_object_once(
@@ -621,7 +639,7 @@ def test_matched_class_without_torch_is_skipped_and_torch_stays_unimported(
         logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
         from ort_autopatch.hook import ImportHook, Selector
         classes = []
-        ImportHook(Selector(["plain_models:*"], []), classes.append).install()
+        ImportHook(Selector(["plain_models:Net"], []), classes.append).install()
         import plain_models
         print(json.dumps({"classes": len(classes), "torch": "torch" in sys.modules}))
         """,

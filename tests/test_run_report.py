@@ -117,6 +117,71 @@ def test_the_text_summary_at_info_is_one_compact_table(cold_run: Run) -> None:
     assert len(summary.splitlines()) < 25
 
 
+# A package as a wildcard meets it: weight enums, helpers and the model's own blocks.
+PACKAGE = """
+import enum
+
+import torch
+from torch import nn
+
+{helpers}
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(x).sum()
+
+
+class Unused(nn.Module):
+    pass
+"""
+
+
+def test_a_wildcard_over_a_package_warns_of_nothing_and_lists_the_classes_called(
+    tmp_path: Path,
+) -> None:
+    helpers = "\n".join(
+        f"class Weights{i}(enum.Enum):\n    A = {i}\n\nclass Helper{i}:\n    pass\n"
+        for i in range(30)
+    )
+    (tmp_path / "vision").mkdir()
+    (tmp_path / "vision" / "__init__.py").write_text("")
+    (tmp_path / "vision" / "models.py").write_text(PACKAGE.format(helpers=helpers))
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom vision.models import Net\nNet()(torch.ones(2, 4)).backward()\n"
+    )
+    report = tmp_path / "report.json"
+    options = ["--modules", "vision.*:*", "--report", str(report)]
+    result = subprocess.run(
+        [sys.executable, "-m", "ort_autopatch", *options, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}"},
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    data = json.loads(report.read_text())
+    assert list(data["classes"]) == ["vision.models:Net"]
+    assert data["classes"]["vision.models:Net"]["ort_calls"] == 1
+    assert data["uncalled_classes"] == 2  # Block (inside Net's graph) and Unused
+    assert data["unmatched"] == []
+
+
 def test_a_second_run_loads_its_graphs_from_the_cache(cold_run: Run, tmp_path: Path) -> None:
     cache = cold_run.cache_copy(tmp_path)
     report = tmp_path / "report.json"

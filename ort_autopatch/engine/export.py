@@ -7,8 +7,8 @@ tensors. Non-tensor leaves of the inputs are baked into the graph and belong to 
 Global effect: for the length of an export, process-wide state is rebound, all of it under the
 one `EXPORT_LOCK`, so exports in several threads run one after the other and every rebinding is
 undone in the order it was made: torch's ONNX symbolic registry (`symbolics.registered`),
-`torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), the exporter's
-`_run_symbolic_function` (`_watching_conversions`), `CheckpointFunction.apply`,
+`torch.onnx`'s `setup_onnx_logging` (`_quiet_exporter`), file descriptor 2 (`chatter`), the
+exporter's `_run_symbolic_function` (`_watching_conversions`), `CheckpointFunction.apply`,
 transformers' mask helpers and torch's attention fast-path switch (`tracing.export_rewrites`),
 and the `__class__` of the exported
 module's objects while their attribute reads are recorded (`ort_autopatch.recording`), and the
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import hazards, objects, trees
+from ort_autopatch.engine import chatter, hazards, objects, trees
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
 
 log = logging.getLogger("ort_autopatch")
@@ -370,6 +370,7 @@ def _export_once(
             preserved_state(module),
             _exporting(),
             _quiet_exporter(),
+            chatter.captured(),
             _watching_conversions(conversions),
             symbolics.registered(
                 opset,

@@ -462,6 +462,25 @@ class Config:
         "process exits; off: ORT's buffers are freed with each step's tensors",
     )
 
+    max_graph_nodes: int = option(
+        10000,
+        env="ORT_AUTOPATCH_MAX_GRAPH_NODES",
+        flag="--max-graph-nodes",
+        kind=Integer(lambda n: n >= 0, "a count of nodes, 0 for no limit"),
+        engine=True,
+        help="a forward that traces to more nodes (a loop unrolled over many steps) runs in "
+        "PyTorch: ONNX Runtime would take longer to build its graph than the calls could save "
+        "(a 12-layer GPT-2 traces to about 3,100)",
+    )
+    max_build_seconds: int = option(
+        300,
+        env="ORT_AUTOPATCH_MAX_BUILD_SECONDS",
+        flag="--max-build-seconds",
+        kind=Integer(lambda n: n >= 0, "a number of seconds, 0 for no limit"),
+        engine=True,
+        help="a graph build still running after this long stops, and its calls run in PyTorch",
+    )
+
     untested_torch: bool = option(
         False,
         env="ORT_AUTOPATCH_UNTESTED_TORCH",

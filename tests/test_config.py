@@ -588,6 +588,8 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         static_after=0,
         compile_executor=False,
         memory_arena=False,
+        max_graph_nodes=500,
+        max_build_seconds=0,
     )
     flags: list[str] = []
     for opt in OPTIONS:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import bridge, export, graph, hazards, rng, session, torch_nodes
+from ort_autopatch.engine import bridge, budget, export, graph, hazards, rng, session, torch_nodes
 from ort_autopatch.engine.callkey import KeyMaker
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
@@ -33,6 +33,7 @@ from ort_autopatch.engine.errors import (
     ExportError,
     GradientBuildError,
     SessionError,
+    UnsupportedInputError,
     UnsupportedModelError,
 )
 from ort_autopatch.engine.persist import Persistence
@@ -111,7 +112,8 @@ class Builder:
             ) from None
 
     def _build(self, miss: Miss, reason: str) -> Entry:
-        with _progress(self._cls) as progress:
+        limits = budget.Limits(self.options.max_build_seconds, self.options.max_graph_nodes)
+        with _progress(self._cls) as progress, budget.limited(self._cls, limits):
             start = time.perf_counter()
             persisted = self._persistent_key(miss)
             if persisted is not None:
@@ -128,7 +130,10 @@ class Builder:
                         torch_nodes=entry.torch_nodes,
                     )
                     return entry
+            if miss.grad:
+                _refuse_untrainable(self._cls, miss)
             recipe, export_seconds = self._export_recipe(miss, progress)
+            budget.check("before creating its ONNX Runtime session")
             progress.phase = "session"
             entry = self._instantiate(recipe, miss, progress)
             self._record(
@@ -194,6 +199,7 @@ class Builder:
             model = load_model(exported.model_bytes)
             if dynamic and grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
+            budget.check("before its gradient build")
             progress.phase = "gradient build"
             recipe, exported = self._routed_recipe(miss, exported, model, dynamic)
             return recipe, exported.seconds
@@ -483,6 +489,37 @@ class Builder:
 
         model = gradient_nodes.gradients_in_torch(gradient.model, shapes, self.may_route, aten)
         return None if model is gradient.model else dataclasses.replace(gradient, model=model)
+
+
+#: dtypes ORT 1.19.2 has too few gradient kernels for (session._refuse_dtypes reads graphs).
+_UNTRAINABLE_DTYPES = {
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+
+
+def _refuse_untrainable(cls: str, miss: Miss) -> None:
+    """Refuse a training build whose trainable parameters have a dtype ORT cannot
+    differentiate before exporting anything (the gradient build would refuse the graph later,
+    after the export's whole cost: minutes for a float64 LSTMCell loop over 1000 steps)."""
+    state = miss.state
+    found: dict[str, list[str]] = {}
+    for name, tensor, is_param in zip(state.names, state.tensors, state.is_param, strict=True):
+        dtype = _UNTRAINABLE_DTYPES.get(tensor.dtype)
+        if is_param and tensor.requires_grad and dtype is not None:
+            found.setdefault(dtype, []).append(name)
+    if found:
+        what = "; ".join(
+            f"{dtype} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+            for dtype, names in found.items()
+        )
+        raise UnsupportedInputError(
+            cls,
+            f"training with {what}: ONNX Runtime 1.19.2 lacks {'/'.join(found)} gradient "
+            "kernels for common operators (Concat's SplitTraining, ReluGrad)",
+            "Train in float32, or keep the default fallback policy (PyTorch runs this dtype)",
+        )
 
 
 class _Progress:

@@ -38,6 +38,8 @@ class GraphCache(Generic[V]):
         self._entries: OrderedDict[Hashable, V | _Failed] = OrderedDict()
         self._lock = threading.Lock()
         self._building: dict[Hashable, threading.Lock] = {}
+        # failures remembered for good, beyond the LRU: a rebuild would cost as much again
+        self._refused: dict[Hashable, _Failed] = {}
         self.builds = 0
         self.evictions = 0
 
@@ -53,8 +55,11 @@ class GraphCache(Generic[V]):
         with self._lock:
             value = self._entries.get(key)
             if value is None:
-                return None
-            self._entries.move_to_end(key)
+                value = self._refused.get(key)
+                if value is None:
+                    return None
+            else:
+                self._entries.move_to_end(key)
         if isinstance(value, _Failed):
             raise value.error
         return value
@@ -88,6 +93,15 @@ class GraphCache(Generic[V]):
     def fail(self, key: Hashable, error: BaseException) -> None:
         """Remember `key` as failed: its next lookups raise `error` again."""
         self._store(key, _Failed(error))
+
+    @property
+    def refusals(self) -> int:
+        return len(self._refused)
+
+    def refuse(self, key: Hashable, error: BaseException) -> None:
+        """Remember `key` as failed for good: no eviction, no `clear()`, forgets it."""
+        with self._lock:
+            self._refused[key] = _Failed(error)
 
     def rekey(self, old: Hashable, new: Hashable) -> None:
         """File an entry under a more specific key (a graph that turned out shape-specific)."""

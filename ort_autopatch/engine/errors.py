@@ -129,3 +129,10 @@ class SideEffectError(UnsupportedModelError):
 
     reason = "forward changes state a graph cannot replay"
     once = False  # the first refusal for this attribute (the caller may trace again)
+
+
+class BuildOverBudget(EngineError):
+    """Building a graph would cost more than the calls it could speed up (engine/budget.py)."""
+
+    kind = FailureKind.UNSUPPORTED_TORCH_MODEL
+    reason = "build over budget"

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import chatter, hazards, objects, trees
-from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
+from ort_autopatch.engine import budget, chatter, hazards, objects, trees
+from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
 
 log = logging.getLogger("ort_autopatch")
 #: Held for the whole of every export: the process-wide rebindings above are undone in order.
@@ -287,6 +287,7 @@ def _watching_conversions(record: _Conversions) -> Iterator[None]:
     # the interpreter crash at exit (it holds the exporter's graph objects); the failing node
     # is read from the traceback instead (`_failed_operator`).
     def watched(*args: Any) -> Any:
+        budget.check("while converting the trace to ONNX")
         new_nodes, node = args[6], args[2]
         start = len(new_nodes)
         result = original(*args)
@@ -379,6 +380,7 @@ def _export_once(
             tracing.export_rewrites(),
             torch.no_grad(),
             hazards.recording() as found,
+            budget.enforced(),
         ):
             torch.onnx.export(
                 wrapper,
@@ -394,7 +396,7 @@ def _export_once(
                 input_names=input_names,
                 dynamic_axes=dynamic_axes or None,
             )
-    except UnsupportedModelError:
+    except (UnsupportedModelError, BuildOverBudget):
         raise
     except Exception as exc:
         failed = _failed_operator(exc)

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import export, hazards, persist, session, signature, verify
+from ort_autopatch.engine import budget, export, hazards, persist, session, signature, verify
 from ort_autopatch.engine.build import Builder, load_model
 from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, Shapes
 from ort_autopatch.engine.entry import Entry, Specialises
 from ort_autopatch.engine.errors import (
+    BuildOverBudget,
     EngineError,
     ExecutionError,
     MixedDevicesError,
@@ -85,6 +86,7 @@ class ModuleEngine:
         self._verified: dict[CallKey, int] = {}  # key -> calls verified
         # (grad mode, train flag, autocast state) -> key last used
         self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
+        self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
         self.settings = session.SessionSettings(self.options.threads)
         self._builder = Builder(
             self._cls,
@@ -191,6 +193,7 @@ class ModuleEngine:
         check_devices: bool,
         recompute: bool,
     ) -> Any:
+        self._calls += 1  # not atomic; it only weighs builds against calls
         call = signature.flatten_call(self._cls, args, kwargs, check_devices)
         autocast = None
         if _any_autocast():  # one C call while autocast is off
@@ -265,10 +268,19 @@ class ModuleEngine:
             entry = self._cache.get(key)
             if entry is not None:
                 return key, entry
-            reason = self._keys.miss_reason(key)
-            entry = self._cache.get_or_build(
-                key, lambda: self._build(module, state, call, grad, reason, hot, autocast)
+            refused = budget.too_many_rebuilds(
+                self._cls, self._cache.builds + self._cache.refusals, self._calls
             )
+            if refused is not None:
+                raise refused
+            reason = self._keys.miss_reason(key)
+            try:
+                entry = self._cache.get_or_build(
+                    key, lambda: self._build(module, state, call, grad, reason, hot, autocast)
+                )
+            except BuildOverBudget as exc:
+                self._cache.refuse(key, exc)  # trying again would cost as much again
+                raise
             # The build may have switched to static shapes or taught the guards new
             # attributes: file the graph under the key later calls will compute.
             settled = self._key(grad, call, requires, hot, autocast)

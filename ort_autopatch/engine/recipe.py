@@ -42,6 +42,9 @@ class EngineOptions:
     compile_executor: bool = True
     # graphs serving one input shape allocate from the shared CPU arena (session.shared_arena)
     memory_arena: bool = True
+    # the most one build may cost (budget.py; 0: no limit): seconds, and traced graph nodes
+    max_build_seconds: int = 300
+    max_graph_nodes: int = 10000
 
 
 @dataclass

@@ -1,0 +1,205 @@
+"""What one build may cost, and where a build that would cost more stops.
+
+A graph pays for its build only over many calls, so a build that costs more than the calls it
+could speed up must not hold the user's script: it gives up with the reason, and the calls run
+in PyTorch. Each limit is checked where the build is still in Python; the parts in C++ (ONNX
+Runtime's session creation above all) cannot be stopped once started, so their cost is
+predicted from the size of the trace:
+
+- graph size (`Limits.nodes`): the nodes of the traced graph, read every so often while forward
+  is traced (at submodule calls) and once the trace is complete, before the exporter's passes.
+  pytorch/examples' time_sequence_prediction unrolls two LSTMCells over 1000 time steps, about
+  39 traced nodes a step; ORT's session creation grows faster than the graph (100 steps: 6,500
+  ONNX nodes, 12 s; 200 steps: 43 s), so the whole loop would take hours. A 12-layer GPT-2
+  traces to about 3,100 nodes, a 12-layer BERT to 1,000;
+- time (`Limits.seconds`): a deadline checked at every submodule call of the trace, at every
+  node the exporter converts, and between the build's phases;
+- rebuilds: `too_many_rebuilds` says when a module keeps missing its cache (a new constant
+  argument each call, more input shapes than the cache holds).
+
+The limits of the build under way are per thread (`limited`); `enforced` puts the checks into
+torch's tracer and exporter for the length of one export, under the engine's export lock, and
+takes them out again however the export ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine.errors import BuildOverBudget
+
+#: Builds a module makes before `too_many_rebuilds` may stop it.
+REBUILD_FLOOR = 8
+#: Fewer calls than this per graph built (past the floor) is a module rebuilding on every call.
+CALLS_PER_BUILD = 2
+
+_REMEDY = (
+    "Its calls run in PyTorch. To build it anyway, raise ORT_AUTOPATCH_MAX_GRAPH_NODES or "
+    "ORT_AUTOPATCH_MAX_BUILD_SECONDS (0 lifts the limit)"
+)
+
+_state = threading.local()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most one build may cost; 0 lifts a limit."""
+
+    seconds: float = 0.0
+    nodes: int = 0
+
+
+class _Budget:
+    def __init__(self, cls: str, limits: Limits) -> None:
+        self.cls = cls
+        self.limits = limits
+        self.deadline = time.perf_counter() + limits.seconds if limits.seconds > 0 else math.inf
+        self.events = 0  # traced values named and submodules called, in this trace
+        self.next_count = 1  # the event at which the growing trace is counted next
+
+    def check_time(self, where: str) -> None:
+        if time.perf_counter() > self.deadline:
+            raise BuildOverBudget(
+                self.cls,
+                f"building its graph took longer than {self.limits.seconds:g} s (stopped "
+                f"{where}), more than the calls it could speed up",
+                _REMEDY,
+            )
+
+    def check_nodes(self, count: int, where: str) -> None:
+        limit = self.limits.nodes
+        if limit > 0 and count > limit:
+            raise BuildOverBudget(
+                self.cls,
+                f"forward traces to more than {limit} graph nodes ({count} {where}; a loop "
+                "unrolled over many steps?): ONNX Runtime would take longer to build the graph "
+                "than the calls it could speed up",
+                _REMEDY,
+            )
+
+    def tracing(self) -> None:
+        """At each value the tracer names and each submodule call: the deadline, and the
+        trace's size at events spaced to reach the limit in a few counts (each walks the
+        graph): half the way to the limit at the rate seen so far, at least a twentieth."""
+        self.events += 1
+        if self.events & 63 == 0:
+            self.check_time("while tracing forward")
+        limit = self.limits.nodes
+        if limit <= 0 or self.events < self.next_count:
+            return
+        state = torch._C._get_tracing_state()
+        if state is None:
+            return
+        count = _count(state.graph())
+        self.check_nodes(count, "by the middle of the trace")
+        per_event = max(count, 1) / self.events
+        self.next_count = self.events + max(16, limit // 20, int((limit - count) / per_event / 2))
+
+
+def _count(graph: Any) -> int:
+    """Nodes of a TorchScript graph, those inside blocks too: while tracing, each submodule's
+    operations sit in the block of its call's node (the exporter inlines them later)."""
+    total = 0
+    pending = [graph]
+    while pending:
+        for node in pending.pop().nodes():
+            total += 1
+            if node.kind() in _WITH_BLOCKS:  # asking every node for its blocks costs 50 us
+                pending.extend(node.blocks())
+    return total
+
+
+#: Node kinds that hold blocks in a trace.
+_WITH_BLOCKS = frozenset({"prim::TracedModuleForward", "prim::If", "prim::Loop"})
+
+
+@contextlib.contextmanager
+def limited(cls: str, limits: Limits) -> Iterator[None]:
+    """The limits of the build this thread runs now."""
+    previous = getattr(_state, "budget", None)
+    _state.budget = _Budget(cls, limits)
+    try:
+        yield
+    finally:
+        _state.budget = previous
+
+
+def check(where: str) -> None:
+    """Stop the build this thread runs if it is past its deadline."""
+    budget: _Budget | None = getattr(_state, "budget", None)
+    if budget is not None:
+        budget.check_time(where)
+
+
+@contextlib.contextmanager
+def enforced() -> Iterator[None]:
+    """The checks inside torch's tracer (the name lookup it calls for every value it records,
+    and `Module._slow_forward`, which every submodule call takes while tracing) and at the end
+    of the trace (the exporter's `_optimize_graph`), for one export; the caller holds the
+    export lock. Other threads' traces pass straight through."""
+    if getattr(_state, "budget", None) is None:
+        yield
+        return
+    from torch.jit import _trace
+    from torch.onnx._internal.torchscript_exporter import utils
+
+    slow_forward = torch.nn.Module._slow_forward
+    optimize = utils._optimize_graph
+    name_lookup = _trace._create_interpreter_name_lookup_fn
+
+    def bounded_slow_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        budget: _Budget | None = getattr(_state, "budget", None)
+        if budget is not None:
+            budget.tracing()
+        return slow_forward(self, *args, **kwargs)
+
+    def bounded_name_lookup(*args: Any, **kwargs: Any) -> Any:
+        lookup = name_lookup(*args, **kwargs)
+
+        def bounded_lookup(var: Any) -> Any:
+            budget: _Budget | None = getattr(_state, "budget", None)
+            if budget is not None:
+                budget.tracing()
+            return lookup(var)
+
+        return bounded_lookup
+
+    def bounded_optimize(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        budget: _Budget | None = getattr(_state, "budget", None)
+        if budget is not None:
+            budget.check_nodes(_count(graph), "in the complete trace")
+            budget.check_time("after tracing forward")
+        return optimize(graph, *args, **kwargs)
+
+    torch.nn.Module._slow_forward = bounded_slow_forward  # type: ignore[method-assign]
+    utils._optimize_graph = bounded_optimize
+    _trace._create_interpreter_name_lookup_fn = bounded_name_lookup
+    try:
+        yield
+    finally:
+        _trace._create_interpreter_name_lookup_fn = name_lookup
+        utils._optimize_graph = optimize
+        torch.nn.Module._slow_forward = slow_forward  # type: ignore[method-assign]
+
+
+def too_many_rebuilds(cls: str, builds: int, calls: int) -> BuildOverBudget | None:
+    """The refusal for a module that has built `builds` graphs over `calls` calls, if it keeps
+    rebuilding: past `REBUILD_FLOOR` builds, fewer than `CALLS_PER_BUILD` calls per graph."""
+    if builds < REBUILD_FLOOR or calls >= CALLS_PER_BUILD * builds:
+        return None
+    return BuildOverBudget(
+        cls,
+        f"it built {builds} graphs for {calls} calls: a new constant argument or input shape "
+        "on almost every call makes each graph cost a build it never pays back; the graphs it "
+        "has keep serving their calls",
+        "Its other calls run in PyTorch; pass changing numbers as tensors, or raise "
+        "ORT_AUTOPATCH_CACHE_SIZE if the shapes repeat",
+    )

@@ -306,3 +306,59 @@ def test_the_first_call_check_names_random_operators_it_cannot_compare() -> None
     x = torch.randn(3, 4)
     result = _first_call(PlainCall(model, x), x)
     assert getattr(result, "unverified", None) == "random operators (Dropout)"
+
+
+def test_dropout_between_layers_drops_in_a_call_without_gradients() -> None:
+    """ORT's EliminateDropout optimizer takes the exporter's Dropout (training flag from a
+    Constant node) for an inference no-op when its mask is unused: the sessions keep it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 4))
+    x = torch.randn(16, 8)
+    with torch.no_grad():
+        plain = PlainCall(model, x)
+        clean = copy.deepcopy(model).eval()(x)
+        assert (plain(x) - clean).abs().mean() > 1e-3, "dropout was removed from the graph"
+
+
+class _PassThrough(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.linear(x) * y
+        return {"h": h, "label": h.argmax(-1), "y": y}
+
+
+def test_an_input_returned_as_it_is_gets_its_gradient_through_autograd() -> None:
+    """aot's graphs have no cotangent for an output that is an input: like eager, the call
+    returns the input itself, and its gradient reaches it directly."""
+    torch.manual_seed(0)
+    model = _PassThrough()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(3, 6), torch.randn(3, 4, requires_grad=True)
+    plain = PlainCall(model, x, y)
+    ours_y = y.detach().clone().requires_grad_()
+    out, expected = plain(x, ours_y), eager(x, y)
+    assert out["y"] is ours_y
+    assert ran_in_plain_ort(out["h"])
+    (out["h"].sum() + (out["y"] * 3).sum()).backward()
+    (expected["h"].sum() + (expected["y"] * 3).sum()).backward()
+    assert ours_y.grad is not None and y.grad is not None
+    torch.testing.assert_close(ours_y.grad, y.grad)
+    torch.testing.assert_close(out["label"], expected["label"])
+
+
+def test_an_output_that_is_a_view_of_an_input_is_refused_naming_it() -> None:
+    from ort_autopatch.engine.errors import UnsupportedModelError
+
+    class View(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.linear(x), x.view(-1)
+
+    with pytest.raises(UnsupportedModelError, match="aliases other memory"):
+        PlainCall(View(), torch.randn(2, 4, requires_grad=True))

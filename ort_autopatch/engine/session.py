@@ -184,6 +184,7 @@ def _session(
     optimized: bool = False,
     capture: bool = False,
     stream: Any = None,
+    disabled_optimizers: Sequence[str] = (),
 ) -> tuple[Any, bytes | None]:
     """A session, and with `capture` ORT's optimised form of the graph.
 
@@ -207,7 +208,9 @@ def _session(
         # Random kernels other than dropout seed their generator as the session starts.
         rng.seed_runtime(runtime.capi(), "session")
         try:
-            session = ort.InferenceSession(model_bytes, options, providers)
+            session = ort.InferenceSession(
+                model_bytes, options, providers, disabled_optimizers=list(disabled_optimizers)
+            )
         except Exception as exc:
             raise SessionError(
                 cls,

@@ -50,6 +50,10 @@ class Captured:
     #: ("feed", feed index) for a value forward passes through unchanged, or ("tangent", k)
     #: for the gradient of user output k
     backward_inputs: list[tuple[str, int]] = field(default_factory=list)
+    #: user outputs that are an input itself, returned as it is: user output -> feed index.
+    #: Their gradient reaches the input through autograd, never through the graphs (which
+    #: have no cotangent for them), as eager returns the very tensor.
+    aliases: dict[int, int] = field(default_factory=dict)
 
 
 class _Flat(torch.nn.Module):
@@ -140,6 +144,7 @@ def capture(
                 k >= num_forward for k in [*user_outputs, *mutations]
             ):
                 raise _refuse(cls, "forward outputs after gradients")
+            aliases = _input_aliases(cls, joint, feeds, user_outputs)
             if not tangents:
                 forward_gm, backward_gm = gm, None
             else:
@@ -164,10 +169,33 @@ def capture(
         num_user_outputs=len(user_outputs),
         mutations=mutations,
         user_outputs=user_outputs,
+        aliases=aliases,
     )
     if backward_gm is not None:
         _link(captured, forward_gm, backward_gm, tangents, num_forward)
     return captured
+
+
+def _input_aliases(
+    cls: str, joint: Any, feeds: list[Feed], user_outputs: list[int]
+) -> dict[int, int]:
+    """User outputs that are one of the inputs, by aot's analysis of the outputs; an output
+    aliasing something else (a view of an input, two outputs sharing memory) is refused:
+    aot's own runtime regenerates those outside the graph, which this backend does not."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    infos = joint._aot_state.fw_metadata.output_info
+    if len(infos) != len(user_outputs):
+        raise _refuse(cls, f"{len(infos)} outputs by aot's count, {len(user_outputs)} by ours")
+    aliases = {}
+    for k, info in enumerate(infos):
+        if info.output_type == OutputType.is_input and info.base_idx is not None:
+            if feeds[info.base_idx].kind != "input":
+                raise _refuse(cls, f"output {k} that is a parameter or buffer itself")
+            aliases[k] = info.base_idx
+        elif info.output_type not in (OutputType.non_alias, OutputType.unsafe_view_alias):
+            raise _refuse(cls, f"output {k} that aliases other memory ({info.output_type.name})")
+    return aliases
 
 
 def _qualified(target: str) -> str:

@@ -157,6 +157,7 @@ class Lowered:
     backward_inputs: list[tuple[str, int]]  # see `Captured.backward_inputs`
     forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
     backward_outputs: list[tuple[str, int]]
+    aliases: dict[int, int]  # see `Captured.aliases`
 
     def graphs(self) -> dict[str, bytes]:
         found = {"forward": self.forward}
@@ -172,6 +173,7 @@ class Lowered:
             "backward_inputs": [list(x) for x in self.backward_inputs],
             "forward_outputs": [list(x) for x in self.forward_outputs],
             "backward_outputs": [list(x) for x in self.backward_outputs],
+            "aliases": [[k, v] for k, v in self.aliases.items()],
         }
 
     @classmethod
@@ -188,6 +190,7 @@ class Lowered:
             backward_inputs=pairs("backward_inputs"),
             forward_outputs=pairs("forward_outputs"),
             backward_outputs=pairs("backward_outputs"),
+            aliases={int(k): int(v) for k, v in meta["aliases"]},
         )
 
 
@@ -210,7 +213,11 @@ def lower(captured: Captured, cls: str) -> Lowered:
         backward_inputs=captured.backward_inputs,
         forward_outputs=forward_outputs,
         backward_outputs=backward_outputs,
+        aliases=captured.aliases,
     )
+
+
+_KEEP_DROPOUT = ("EliminateDropout",)
 
 
 def _session_for(
@@ -224,7 +231,11 @@ def _session_for(
 
     proto = onnx.load_from_string(model)
     stream = session.compute_stream(device)
-    sess, _ = session._session(model, device, settings, cls, False, stream=stream)
+    # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
+    # (what the exporter writes) as if they were inference no-ops: dropout silently off.
+    sess, _ = session._session(
+        model, device, settings, cls, False, stream=stream, disabled_optimizers=_KEEP_DROPOUT
+    )
     inputs = {value.name: k for k, value in enumerate(proto.graph.input)}
     names = [i.name for i in sess.get_inputs()]
     fetches = [o.name for o in sess.get_outputs()]
@@ -251,11 +262,23 @@ class Program:
     backward: _Session | None
     kept: Any  # bridge.KeptValues of the module's tensors among the feeds
     saves_mutated: frozenset[int]  # buffers backward reads that forward also updates
+    #: user output -> its position among the Function's outputs (aliases are not among them)
+    tangent_position: dict[int, int]
 
     def run(self, feeds: Sequence[torch.Tensor], recompute: bool = False) -> list[torch.Tensor]:
         """One call: through autograd when it needs gradients, else forward alone."""
         if self.backward is not None and torch.is_grad_enabled():
-            return list(PlainTrainingCall.apply(self, *feeds))
+            if bridge._TRANSFORMS_ACTIVE():  # functorch: torch's own path (and refusal)
+                outputs = PlainTrainingCall.apply(self, *feeds)
+            else:  # without Function.apply's Python layer, as `bridge.train` does
+                outputs = _C_APPLY(self, *map(bridge._UNWRAP_IF_DEAD, feeds))
+            if not self.lowered.aliases:
+                return list(outputs)
+            rest = iter(outputs)
+            return [
+                feeds[self.lowered.aliases[k]] if k in self.lowered.aliases else next(rest)
+                for k in range(len(self.lowered.user_outputs))
+            ]
         user, _, _ = _forward(self, feeds)
         return user
 
@@ -277,6 +300,12 @@ def instantiate(
         backward=backward,
         kept=bridge.KeptValues([k for k, f in enumerate(lowered.feeds) if f.kind != "input"]),
         saves_mutated=frozenset(saved_feeds & set(lowered.mutations.values())),
+        tangent_position={
+            k: position
+            for position, k in enumerate(
+                k for k in range(len(lowered.user_outputs)) if k not in lowered.aliases
+            )
+        },
     )
 
 
@@ -303,6 +332,9 @@ class PlainTrainingCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         user, outputs, before = _forward(program, feeds)
+        aliases = program.lowered.aliases
+        if aliases:  # returned by `Program.run` outside the Function
+            user = [out for k, out in enumerate(user) if k not in aliases]
         ctx.program = program
         ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
         ctx.set_materialize_grads(False)
@@ -326,6 +358,7 @@ class PlainTrainingCall(torch.autograd.Function):
         values: list[torch.Tensor] = []
         for kind, k in program.lowered.backward_inputs:
             if kind == "tangent":
+                k = program.tangent_position[k]
                 grad = grad_outputs[k]
                 if grad is None:
                     shape, dtype, device = ctx.output_info[k]
@@ -335,3 +368,6 @@ class PlainTrainingCall(torch.autograd.Function):
                 values.append(next(saved))
         grads = program.backward.run(program.cls, "backward", values, None)
         return (None, *grads)
+
+
+_C_APPLY = super(torch.autograd.Function, PlainTrainingCall).apply

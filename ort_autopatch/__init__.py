@@ -85,7 +85,7 @@ def install(config: Config | None = None) -> bool:
             Selector(config.modules, config.exclude),
             on_class,
             # torch.compile, when it loads, learns to count the calls of selected classes
-            after_import={"torch._dynamo.config": _count_compiled_calls},
+            after_import={"torch._dynamo": _count_compiled_calls},
         )
         hook.install()
         _hook = hook
@@ -93,10 +93,10 @@ def install(config: Config | None = None) -> bool:
         return True
 
 
-def _count_compiled_calls(dynamo_config: ModuleType) -> None:
+def _count_compiled_calls(dynamo: ModuleType) -> None:
     from ort_autopatch import patcher
 
-    patcher.count_compiled_calls(dynamo_config)
+    patcher.count_compiled_calls(loaded=True)
 
 
 def uninstall() -> None:

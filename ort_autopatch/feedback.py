@@ -104,10 +104,11 @@ def nothing_ran(
     if not classes:
         return "nothing ran in ONNX Runtime: no selected class was found (see the patterns above)"
     compiled = sum(stats.get("compiled_calls", 0) for stats in classes.values())
-    if compiled and not any(stats.get("instances", 0) for stats in classes.values()):
+    traces = sum(stats.get("compiled_traces", 0) for stats in classes.values())
+    if (compiled or traces) and not any(stats.get("instances", 0) for stats in classes.values()):
         return (
             f"nothing ran in ONNX Runtime: the selected classes ran under torch.compile "
-            f"({compiled} calls)"
+            f"({compiled} calls counted, {traces} traces)"
         )
     if not any(stats.get("instances", 0) for stats in classes.values()):
         names = ", ".join(sorted(classes))

@@ -142,16 +142,22 @@ def patch(cls: type, settings: Settings | None = None) -> bool:
         eager_setattr = cls.__setattr__
         name = class_name(cls)
 
+        def traced(context: Any) -> None:
+            compiled_trace(name)  # dynamo runs this while it traces a call (comptime)
+
         def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if _is_compiling():
                 # torch.compile traces this call: it runs as compiled. When this is the frame
                 # torch.compile compiles (torch.compile(model)), dynamo runs `compiled_call`
                 # after its graph on every call (`count_compiled_calls`); it drops such calls
-                # in the frames it inlines (a selected class inside a compiled module). Not
-                # registered, dynamo would break its graph on the call: then it is not made.
-                # torch.export (which runs this code in Python when not strict) is no call.
-                if _dynamo_counts and not torch.compiler.is_exporting():
+                # in the frames it inlines (a selected class inside a compiled module), where
+                # only `traced` runs, once per trace. Before torch.compile has loaded nothing
+                # is made (dynamo would break its graph on the call). torch.export (which runs
+                # this code in Python when not strict) is no call.
+                comptime = _dynamo_comptime
+                if comptime is not None and not torch.compiler.is_exporting():
                     compiled_call(name)
+                    comptime(traced)
                 return eager_call(self, *args, **kwargs)
             return _dispatch(self, eager_call, args, kwargs, name)
 
@@ -225,7 +231,8 @@ def mark_stale(module: torch.nn.Module) -> None:
 
 
 _is_compiling = torch.compiler.is_compiling
-_dynamo_counts = False  # compiled_call is one of dynamo's reorderable logging functions
+#: torch._dynamo's `comptime`, once `compiled_call` is one of its reorderable logging functions
+_dynamo_comptime: Any = None
 
 
 def _step_aside() -> bool:
@@ -261,30 +268,50 @@ def compiled_call(name: str) -> None:
     stats = report.stats_for(name)
     with stats.lock:
         stats.compiled_calls += 1
+    _say_compiled(name)
+
+
+def compiled_trace(name: str) -> None:
+    """Count a call of the class `name` that torch.compile traced into a graph (the only sign
+    of a selected class compiled inside another module's graph), and say once what happens."""
+    stats = report.stats_for(name)
+    with stats.lock:
+        stats.compiled_traces += 1
+    _say_compiled(name)
+
+
+def _say_compiled(name: str) -> None:
     key = (name, "torch.compile")
     if key not in _warned:
         _warned.add(key)
         log.warning(
             "%s is compiled by torch.compile: its calls run as torch.compile compiles them, "
-            "not in ONNX Runtime (the report counts them as compiled_calls); leave the "
-            "selected class uncompiled to train it in ONNX Runtime, or exclude it (%s) to "
-            "silence this",
+            "not in ONNX Runtime (the report counts them as compiled_calls, and inside another "
+            "compiled module only their traces, compiled_traces); leave the selected class "
+            "uncompiled to train it in ONNX Runtime, or exclude it (%s) to silence this",
             name,
             BY_NAME["exclude"].env,
         )
 
 
-def count_compiled_calls(config: Any = None) -> None:
-    """Let torch.compile run `compiled_call` on every call it compiles: dynamo defers its
-    reorderable logging functions to after its graph instead of breaking the graph there.
-    `config` is `torch._dynamo.config`, when it loads (the import hook calls this); without
-    it, done only when torch.compile is loaded already (importing it costs a second), so a
-    class patched by hand without `install()` before torch.compile loads is not counted."""
-    global _dynamo_counts
-    config = config or sys.modules.get("torch._dynamo.config")
-    if config is not None:
-        config.reorderable_logging_functions.add(compiled_call)
-        _dynamo_counts = True
+def count_compiled_calls(loaded: bool = False) -> None:
+    """Let torch.compile count the calls of selected classes, once torch._dynamo has loaded
+    (the import hook calls this after its package ran; `patch` when it had): dynamo defers its
+    reorderable logging functions (`compiled_call`) to after its graph, on every call,
+    instead of breaking the graph there, and runs `comptime` functions while it traces.
+    Importing torch._dynamo here would cost every run a second, so a class patched by hand
+    without `install()` before torch.compile loads is not counted. `loaded`: its package body
+    has run (importlib still marks it initializing until the import returns)."""
+    global _dynamo_comptime
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    if not loaded and getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
+        return  # still loading, on another thread (its submodules may not import yet)
+    from torch._dynamo import comptime, config
+
+    config.reorderable_logging_functions.add(compiled_call)
+    _dynamo_comptime = comptime.comptime
 
 
 def _new_instance(module: torch.nn.Module) -> _Instance:

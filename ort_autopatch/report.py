@@ -13,7 +13,8 @@ from typing import Any
 class ClassStats:
     instances: int = 0
     ort_calls: int = 0
-    compiled_calls: int = 0  # calls torch.compile ran (a compiled module, or one inside one)
+    compiled_calls: int = 0  # calls torch.compile ran (torch.compile(model), model.compile())
+    compiled_traces: int = 0  # its traces of a call (also inside another compiled module)
     eager_calls: Counter[str] = field(default_factory=Counter)
     exports: int = 0
     cache_loads: int = 0  # graphs loaded from the persistent cache instead of exported
@@ -42,6 +43,7 @@ class ClassStats:
             "instances": self.instances,
             "ort_calls": self.ort_calls,
             "compiled_calls": self.compiled_calls,
+            "compiled_traces": self.compiled_traces,
             "eager_calls": sum(self.eager_calls.values()),
             "eager_reasons": [{"reason": r, "count": c} for r, c in self.eager_calls.items()],
             "exports": self.exports,
@@ -217,8 +219,12 @@ def summary(data: dict[str, Any], max_classes: int = 12) -> str:
                 f"fell back: {r['reason']} ({_clip(r['detail'], 60)}) x{r['count']}"
                 for r in c.get("fallbacks", [])
             ]
-            if c.get("compiled_calls"):
-                why.insert(0, f"torch.compile ran {c['compiled_calls']} calls")
+            if c.get("compiled_calls") or c.get("compiled_traces"):
+                why.insert(
+                    0,
+                    f"torch.compile ran {c.get('compiled_calls', 0)} calls "
+                    f"({c.get('compiled_traces', 0)} traces)",
+                )
             nodes = c.get("torch_nodes", {})
             if nodes.get("count"):
                 ops = ", ".join(f"{op} x{n}" for op, n in nodes["operators"].items())

@@ -5,8 +5,9 @@ torch.compile compiles them, not in ONNX Runtime: the tool says so once and coun
 `compiled_calls` (neither ORT nor eager calls). The count comes from a function dynamo runs
 after its graph on every call, so it adds no graph break (`fullgraph=True` compiles). A selected
 class called inside another compiled module is part of that module's graph: dynamo drops the
-count in the frames it inlines, so those calls run compiled and uncounted. Compiled with the
-"eager" backend: what is tested is dynamo's tracing of the patched call, not a code generator.
+count in the frames it inlines, so only its traces are counted (`compiled_traces`). Compiled
+with the "eager" backend: what is tested is dynamo's tracing of the patched call, not a code
+generator.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def _steps(model: nn.Module, call: Callable[[torch.Tensor], torch.Tensor]) -> li
 
 
 def _assert_compiled_like_eager(
-    model: nn.Module, compiled: Callable[..., torch.Tensor], counted: int = 3
+    model: nn.Module, compiled: Callable[..., torch.Tensor], counted: int = 3, traces: int = 1
 ) -> None:
+    """Three steps equal eager's, `counted` compiled calls and `traces` traces of the patched
+    call (one graph serves the three steps), nothing in ORT or eager."""
     twin = copy.deepcopy(model)
     got = _steps(model, compiled)
     with patcher_off():
@@ -81,6 +84,7 @@ def _assert_compiled_like_eager(
         assert_close(a, e, f"tensor {k}")
     stats = class_stats(Net)
     assert stats.compiled_calls == counted
+    assert stats.compiled_traces == traces
     assert stats.ort_calls == 0 and not stats.eager_calls
 
 
@@ -105,10 +109,11 @@ def test_torch_compile_of_a_selected_class_runs_compiled_and_counts_its_calls() 
 def test_model_compile_in_place_runs_compiled_and_counts_its_calls() -> None:
     model = Net()
     model.compile(backend="eager")
-    _assert_compiled_like_eager(model, model)
+    # torch.compile traces the module's own _call_impl: the patched call runs in Python
+    _assert_compiled_like_eager(model, model, traces=0)
 
 
-def test_a_selected_class_inside_a_compiled_module_runs_compiled_and_uncounted() -> None:
+def test_a_selected_class_inside_a_compiled_module_runs_compiled_its_trace_counted() -> None:
     parent = Parent()
     compiled = torch.compile(parent, backend="eager", fullgraph=True)
     _assert_compiled_like_eager(parent, compiled, counted=0)
@@ -162,9 +167,56 @@ def test_the_report_counts_compiled_calls_when_torch_compile_loads_after_the_too
     )
     assert done.returncode == 0, done.stderr
     counts = json.loads(report.read_text())["classes"]["__main__:Net"]
-    assert counts["compiled_calls"] == 4
+    assert counts["compiled_calls"] == 4 and counts["compiled_traces"] == 1
     assert counts["ort_calls"] == 1 and counts["eager_calls"] == 0
     assert done.stderr.count("is compiled by torch.compile") == 1
+
+
+def test_a_compiled_parent_of_a_selected_class_is_reported_by_its_traces(tmp_path: Path) -> None:
+    """torch.compile imported before the selected class exists (the tool's patcher loads
+    inside torch._dynamo's import), and only a parent compiled: the report and the exit
+    line say the selected class ran under torch.compile instead of never being called."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import torch._dynamo
+            from torch import nn
+
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = nn.Linear(6, 3)
+
+                def forward(self, x):
+                    return torch.tanh(self.fc(x))
+
+            class Parent(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.net = Net()
+
+                def forward(self, x):
+                    return self.net(x) * 2
+
+            compiled = torch.compile(Parent(), backend="eager", fullgraph=True)
+            for _ in range(3):
+                compiled(torch.randn(2, 6)).sum().backward()
+            """
+        )
+    )
+    report = tmp_path / "report.json"
+    done = run(
+        [*LAUNCHER, "--modules", "__main__:Net", "--report", str(report), str(script)],
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(report.read_text())["classes"]["__main__:Net"]
+    assert counts["compiled_traces"] == 1 and counts["compiled_calls"] == 0
+    assert counts["ort_calls"] == 0 and counts["eager_calls"] == 0
+    assert done.stderr.count("is compiled by torch.compile") == 1
+    assert "ran under torch.compile (0 calls counted, 1 traces)" in done.stderr
 
 
 def test_torch_export_of_a_selected_class_traces_its_code_uncounted() -> None:

@@ -362,3 +362,11 @@ def test_an_output_that_is_a_view_of_an_input_is_refused_naming_it() -> None:
 
     with pytest.raises(UnsupportedModelError, match="aliases other memory"):
         PlainCall(View(), torch.randn(2, 4, requires_grad=True))
+
+
+def test_batchnorm_with_a_cumulative_average_trains_like_eager() -> None:
+    """momentum=None: eager computes the factor with float(num_batches_tracked)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.ReLU())
+    _train_like_eager(model, lambda: (torch.randn(4, 3, 6, 6) * 2 + 1,))
+    assert int(model[1].num_batches_tracked) == 3
+    assert "forward" not in model[1].__dict__

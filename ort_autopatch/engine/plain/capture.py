@@ -15,7 +15,8 @@ Graphs are traced for the call's shapes: a graph is only ever run on inputs of t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,48 @@ def _math_attention() -> contextlib.AbstractContextManager[Any]:
     return sdpa_kernel(SDPBackend.MATH)
 
 
+@contextlib.contextmanager
+def _traceable_batch_norms(module: torch.nn.Module) -> Iterator[None]:
+    """BatchNorms with `momentum=None` (a cumulative average) compute their update factor with
+    `float(num_batches_tracked)`, which a trace on fake tensors cannot read. For the trace,
+    such a module in training runs eager's arithmetic with the factor as a tensor: the same
+    normalisation, and the same running statistics (updated in place, so they become the
+    graph's buffer updates)."""
+    swapped = []
+    for sub in module.modules():
+        if (
+            isinstance(sub, torch.nn.modules.batchnorm._BatchNorm)
+            and sub.momentum is None
+            and sub.training
+            and sub.track_running_stats
+            and "forward" not in sub.__dict__
+        ):
+            sub.__dict__["forward"] = functools.partial(_cumulative_batch_norm, sub)
+            swapped.append(sub)
+    try:
+        yield
+    finally:
+        for sub in swapped:
+            del sub.__dict__["forward"]
+
+
+def _cumulative_batch_norm(
+    bn: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor
+) -> torch.Tensor:
+    assert bn.num_batches_tracked is not None
+    assert bn.running_mean is not None and bn.running_var is not None
+    bn._check_input_dim(x)
+    bn.num_batches_tracked.add_(1)
+    factor = 1.0 / bn.num_batches_tracked
+    out = torch.nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+    with torch.no_grad():
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x, dims, correction=1)
+        bn.running_mean.lerp_(mean, factor)
+        bn.running_var.lerp_(var, factor)
+    return out
+
+
 def capture(
     module: torch.nn.Module,
     forward: Callable[..., Any],
@@ -101,7 +144,12 @@ def capture(
 
     flat = _Flat(module, forward, spec)
     try:
-        with contextlib.ExitStack() as stack, export.stepping_aside(), _math_attention():
+        with (
+            contextlib.ExitStack() as stack,
+            export.stepping_aside(),
+            _math_attention(),
+            _traceable_batch_norms(module),
+        ):
             joint = aot_export_joint_with_descriptors(
                 stack, flat, tuple(tensors), decompositions=decompositions
             )

@@ -330,7 +330,7 @@ def test_torch_node_outputs_reach_their_readers_through_a_reshape_of_their_own_s
         output_tensor_ranks=[2],
     )
     model = _model([python_op, helper.make_node("Mul", ["a", "x"], ["y"])], ["x"], ["y"])
-    assert graph.torch_node_shapes_unknown(model) == 1
+    assert graph.torch_node_shapes_unknown(model, gradient=True) == 1
     op_types = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
     assert op_types == [
         ("PythonOp", ["x"], ["ctx", "a__torch"]),
@@ -341,3 +341,20 @@ def test_torch_node_outputs_reach_their_readers_through_a_reshape_of_their_own_s
     (info,) = model.graph.value_info
     dims = [d.dim_param for d in info.type.tensor_type.shape.dim]
     assert (info.name, dims) == ("a__torch", ["a__torch_size0", "a__torch_size1"])
+
+
+def test_torch_node_outputs_of_a_forward_only_graph_get_sizes_of_their_own_and_no_reshape() -> None:
+    python_op = helper.make_node(
+        "PythonOp",
+        ["x"],
+        ["ctx", "a"],
+        domain="com.microsoft",
+        output_tensor_types=[TensorProto.FLOAT],
+        output_tensor_ranks=[1],
+    )
+    model = _model([python_op, helper.make_node("Mul", ["a", "x"], ["y"])], ["x"], ["y"])
+    assert graph.torch_node_shapes_unknown(model, gradient=False) == 1
+    assert [n.op_type for n in model.graph.node] == ["PythonOp", "Mul"]
+    (info,) = model.graph.value_info
+    dims = [d.dim_param for d in info.type.tensor_type.shape.dim]
+    assert (info.name, dims) == ("a", ["a_size0"])

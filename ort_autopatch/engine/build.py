@@ -321,7 +321,7 @@ class Builder:
         frozen = graph.embedding_padding(model, padding) if grad and padding else []
         if grad:
             graph.eval_batch_norm_arithmetic(model)
-        graph.torch_node_shapes_unknown(model)
+        graph.torch_node_shapes_unknown(model, grad)
         stats = graph.batch_norm_statistics(model)
 
         user_index = {name: k for k, name in enumerate(exported.user_input_names)}

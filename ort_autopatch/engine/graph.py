@@ -14,8 +14,8 @@ from onnx import TensorProto, helper
 #: Bumped whenever a pass changes what it emits; part of every persistent cache key.
 #: 3: torch-calling nodes (torch_nodes.py); 4: GroupNorm decomposed; 5: constant-index GatherGrad
 #: as SliceGrad, or one padded Concat (`gather_grad_as_slice_grad`); 6: packed q/k/v picked
-#: without the transpose (`gather_without_axis_move`); 7: torch-calling nodes' outputs
-#: reshaped to their own shape (`torch_node_shapes_unknown`)
+#: without the transpose (`gather_without_axis_move`); 7: torch-calling nodes' outputs with
+#: sizes of their own, reshaped where a gradient is built (`torch_node_shapes_unknown`)
 GRAPH_FIX_VERSION = 7
 
 
@@ -398,22 +398,23 @@ def torch_node_mode(model: onnx.ModelProto, training: bool) -> int:
     return changed
 
 
-def torch_node_shapes_unknown(model: onnx.ModelProto) -> int:
-    """Pass each torch-calling node's outputs through `Reshape(y, Shape(y))`, so ORT sees
-    their sizes as unknown.
+def torch_node_shapes_unknown(model: onnx.ModelProto, gradient: bool) -> int:
+    """Give each torch-calling node's outputs sizes of their own, and in a graph that gets a
+    gradient pass them through `Reshape(y, Shape(y))`, whose sizes ORT does not know.
 
     ORT 1.19.2's shape inference gives every output of every `PythonOp` the same symbolic
-    sizes (`PythonOp_unknown_rank_0`, `_1`, ...), and its gradient builder takes two equal
-    symbols as equal sizes: the gradient of `Mul(a, b)` with `a` [4, 576, 2, 2] and `b`
-    [4, 576, 1, 1], both from torch-calling nodes (mobilenet_v3's hardswish times its
-    hardsigmoid squeeze-excitation scale), was built without the sum over the broadcast
-    axes, and `b`'s node got a [4, 576, 2, 2] gradient for a [4, 576, 1, 1] output. A
-    Reshape to a computed shape has a rank and no sizes, which sends the builder to its
-    run-time path (`BroadcastGradientArgs`, a sum over the axes the shapes broadcast). ORT's
-    memory planner trusts the same symbols: mobilenet_v3's eval graph failed with "Shape
-    mismatch attempting to re-use buffer. {4,96,1,1} != {4,240,1,1}", so each output is also
-    declared with sizes of its own (`<output>_size<k>`), which ORT's inference keeps. ORT runs
-    such a Reshape as an alias: no copy.
+    sizes (`PythonOp_unknown_rank_0`, `_1`, ...). Its memory planner trusts them: mobilenet_v3's
+    eval graph failed with "Shape mismatch attempting to re-use buffer. {4,96,1,1} !=
+    {4,240,1,1}"; so each output is declared with sizes of its own (`<output>_size<k>`), which
+    ORT's inference keeps. Its gradient builder takes two symbols, equal or not, for equal
+    sizes: the gradient of `Mul(a, b)` with `a` [4, 576, 2, 2] and `b` [4, 576, 1, 1], both
+    from torch-calling nodes (mobilenet_v3's hardswish times its hardsigmoid
+    squeeze-excitation scale), was built without the sum over the broadcast axes, and `b`'s
+    node got a [4, 576, 2, 2] gradient for a [4, 576, 1, 1] output. A Reshape to a computed
+    shape has a rank and no sizes, which sends the builder to its run-time path
+    (`BroadcastGradientArgs`, a sum over the axes the shapes broadcast). Its cost was within
+    the noise (step time with/without 0.97 to 1.04 in four interleaved runs, two torch-calling
+    nodes returning 256x512 floats each, 1 thread); it is added only where a gradient is built.
     """
     from onnx import helper
 
@@ -423,22 +424,24 @@ def torch_node_shapes_unknown(model: onnx.ModelProto) -> int:
         nodes.append(node)
         if node.op_type != "PythonOp" or node.domain != "com.microsoft":
             continue
+        types = _ints(node, "output_tensor_types")
+        ranks = _ints(node, "output_tensor_ranks")
         for k in range(1, len(node.output)):
             name = node.output[k]
             if not name:
                 continue
-            # the node's output takes a new name; the Reshape gives its readers the old one
-            produced = _unique(model, f"{name}__torch")
-            shape = _unique(model, f"{name}__shape")
-            node.output[k] = produced
-            types = _ints(node, "output_tensor_types")
-            ranks = _ints(node, "output_tensor_ranks")
+            produced = name
+            if gradient:
+                # the node's output takes a new name; the Reshape gives its readers the old one
+                produced = _unique(model, f"{name}__torch")
+                shape = _unique(model, f"{name}__shape")
+                node.output[k] = produced
+                nodes.append(helper.make_node("Shape", [produced], [shape]))
+                nodes.append(helper.make_node("Reshape", [produced, shape], [name]))
             if k - 1 < min(len(types), len(ranks)) and ranks[k - 1] >= 0:
                 sizes = [f"{produced}_size{d}" for d in range(ranks[k - 1])]
                 info = helper.make_tensor_value_info(produced, types[k - 1], sizes)
                 model.graph.value_info.append(info)
-            nodes.append(helper.make_node("Shape", [produced], [shape]))
-            nodes.append(helper.make_node("Reshape", [produced, shape], [name]))
             changed += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)

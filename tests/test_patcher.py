@@ -360,6 +360,17 @@ def test_forward_hooks_on_the_patched_module_run_as_in_eager() -> None:
     assert len(seen) == 1 and _stats(UserDefinedMethodsNet).ort_calls == 1
 
 
+def test_a_data_parallel_replica_runs_eagerly_with_its_reason() -> None:
+    """What nn.DataParallel builds on every forward with several GPUs: a fresh replica."""
+    model = UserDefinedMethodsNet()
+    replica = model._replicate_for_data_parallel()
+    x = torch.randn(2, 4)
+    assert torch.equal(replica(x), model.forward(x))
+    stats = _stats(UserDefinedMethodsNet)
+    assert stats.ort_calls == 0
+    assert stats.eager_calls["DataParallel replica (use DistributedDataParallel)"] == 1
+
+
 def test_hooks_on_submodules_run_eagerly_instead_of_being_skipped() -> None:
     model = UserDefinedMethodsNet()
     calls: list[int] = []

@@ -1050,7 +1050,8 @@ def test_a_large_relus_gradient_through_python_without_the_executor() -> None:
         options=EngineOptions(compile_executor=False),
     )
     assert _torch_nodes(run.engine) == {"aten::threshold_backward": 1}
-    graphs = [entry.gradient.model for entry in run.engine._cache._entries.values()]
+    entries = run.engine._cache._entries.values()
+    graphs = [entry.program.saved_graphs["gradient"] for entry in entries]
     assert graphs and all(b"PythonOp" in g and b"ATen" not in g for g in graphs)
 
 
@@ -1101,7 +1102,8 @@ def test_a_large_gelus_gradient_runs_in_torch_with_eager_numbers(compiled: bool)
         options=EngineOptions(compile_executor=compiled),
     )
     assert _torch_nodes(run.engine) == {"aten::gelu_backward": 1}
-    graphs = [entry.gradient.model for entry in run.engine._cache._entries.values()]
+    entries = run.engine._cache._entries.values()
+    graphs = [entry.program.saved_graphs["gradient"] for entry in entries]
     ops = [{n.op_type for n in onnx.load_from_string(g).graph.node} for g in graphs]
     kind = "ATen" if compiled else "PythonOp"
     assert ops and all(kind in o and "GeluGrad" not in o for o in ops)

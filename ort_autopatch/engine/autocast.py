@@ -13,6 +13,12 @@ from typing import Any
 
 import torch
 
+#: what a call refused for its autocast dtype is told (`AutocastUnsupportedError`)
+REMEDY = (
+    "A known limitation: these calls run in PyTorch under this autocast, and calls outside it "
+    "in ONNX Runtime"
+)
+
 #: enabled for the device type, its dtype, and whether casts of weights are cached; None: off
 State = tuple[str, torch.dtype, bool] | None
 

@@ -1,19 +1,19 @@
 """A cached graph as a call runs it: the hot path below the cache lookup.
 
-An `Entry` is a recipe made runnable: its sessions, where each feed comes from (an argument
-of the call or one of the module's tensors) and what the run changes besides its outputs.
-Nothing here builds anything; `build.py` makes entries.
+An `Entry` is a recipe made runnable: its backend's program (`backends.Program`), where each
+feed comes from (an argument of the call or one of the module's tensors) and what the run
+changes besides its outputs. Nothing here builds anything; `build.py` makes entries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ort_autopatch.engine import bridge, export, session, signature
+from ort_autopatch.engine import bridge, export, signature
+from ort_autopatch.engine.backends import Program
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.state import ModuleState
@@ -21,34 +21,20 @@ from ort_autopatch.engine.state import ModuleState
 
 @dataclass
 class Entry:
-    training: bool
-    program: Any
-    step: bridge.Step
-    # per feed: (True, user tensor index) or (False, index into ModuleState.tensors)
-    feeds: list[tuple[bool, int]]
-    output_spec: export.OutputSpec
     recipe: Recipe
-    # the gradient graph the session runs when it is not the recipe's (`_for_device`)
-    gradient: session.GradientGraph | None = None
-    torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
-    kept: bridge.KeptValues = field(init=False)  # ORT's values of the module's tensors
-    graph: bridge.TrainingGraph = field(init=False)  # what a training call's Function takes
-
-    def __post_init__(self) -> None:
-        self.kept = bridge.KeptValues([k for k, (user, _) in enumerate(self.feeds) if not user])
-        self.graph = bridge.TrainingGraph(self.program, self.step, self.kept)
+    program: Program
+    step: bridge.Step  # what the run changes besides its outputs (BatchNorm, dropout seeds)
+    # per feed of `program.feed_names`: (True, user tensor index) or (False, index into
+    # ModuleState.tensors)
+    feeds: list[tuple[bool, int]]
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors
         feeds = [user[i] if is_user else tensors[i] for is_user, i in self.feeds]
         checks = self.recipe.checks
         before = Undo(self.step) if checks else None
-        outputs: Sequence[torch.Tensor]
         try:
-            if self.training:
-                outputs = bridge.train(self.graph, feeds, recompute)
-            else:
-                outputs = bridge.run_inference(self.program, self.step, feeds, self.kept)
+            outputs = self.program.run(feeds, recompute)
         except ExecutionError as exc:
             if before is None or call.shapes() == self.recipe.traced_shapes:
                 raise  # a failure of the graph itself, not of sizes it was not traced for
@@ -66,7 +52,7 @@ class Entry:
                     assert before is not None
                     before.undo()
                     raise Specialises(check.hazard.where)
-        result = self.output_spec.rebuild(outputs)
+        result = self.recipe.output_spec.rebuild(outputs)
         if type(result) is export.BufferUpdates:
             with torch.no_grad():
                 for name, value in result.buffers.items():

@@ -19,6 +19,10 @@ from onnx import TensorProto, helper
 GRAPH_FIX_VERSION = 7
 
 
+def load(model_bytes: bytes) -> onnx.ModelProto:
+    return onnx.load_from_string(model_bytes)
+
+
 def _unique(model: onnx.ModelProto, base: str) -> str:
     taken = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
     name, k = base, 0

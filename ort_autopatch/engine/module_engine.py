@@ -16,8 +16,18 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import budget, export, hazards, persist, session, signature, verify
-from ort_autopatch.engine.build import Builder, load_model
+from ort_autopatch.engine import (
+    backends,
+    budget,
+    export,
+    graph,
+    hazards,
+    persist,
+    session,
+    signature,
+    verify,
+)
+from ort_autopatch.engine.build import Builder
 from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, Shapes
 from ort_autopatch.engine.entry import Entry, Specialises
@@ -26,7 +36,6 @@ from ort_autopatch.engine.errors import (
     EngineError,
     ExecutionError,
     MixedDevicesError,
-    UnsupportedInputError,
 )
 from ort_autopatch.engine.recipe import BuildRecord, EngineOptions, Miss, Recipe
 from ort_autopatch.engine.state import ModuleState
@@ -88,13 +97,16 @@ class ModuleEngine:
         self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
         self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
         self.settings = session.SessionSettings(self.options.threads)
+        backend = backends.choose()
+        self._backend = backend(self._cls, self.options, self._forward)
         self._builder = Builder(
             self._cls,
             self.options,
-            self._forward,
+            self._backend,
             self._keys,
             persist.Persistence(
                 self._cls,
+                backend,
                 persist.store_for(self.options.cache_dir),
                 self.options.save_onnx,
                 self.options.opset,
@@ -104,7 +116,7 @@ class ModuleEngine:
             self._on_backward_failure,
         )
         self.records: list[BuildRecord] = self._builder.records
-        self.hazards: list[hazards.Hazard] = self._builder.hazards  # trace hazards found
+        self.hazards: list[hazards.Hazard] = self._backend.hazards  # trace hazards found
 
     def _on_backward_failure(self, error: ExecutionError) -> None:
         """A training graph's backward failed: no training call runs in ORT from now on (each
@@ -223,7 +235,7 @@ class ModuleEngine:
         if grad:
             if self.backward_failure is not None:
                 raise self.backward_failure.with_traceback(None)
-            _refuse_empty(self._cls, call)
+            self._backend.refuse(call)
         else:
             requires = []
         if earned:
@@ -355,7 +367,7 @@ class ModuleEngine:
     ) -> None:
         """Run this call also through the graph and eagerly and compare (`--verify`); a
         mismatch remembers this key as failed, so its calls run in PyTorch."""
-        random = verify.random_ops(load_model(entry.recipe.forward_model))
+        random = verify.random_ops(graph.load(entry.recipe.forward_model))
         if random:
             self.verifications.append(
                 verify.Verification(unverified=f"random operators ({', '.join(random)})")
@@ -393,17 +405,3 @@ class ModuleEngine:
             self.verifications.append(verify.Verification(unverified=why))
             return
         self.verifications.append(result)
-
-
-def _refuse_empty(cls: str, call: signature.FlatCall) -> None:
-    """ORT 1.19.2's gradient kernels reject zero-size dimensions (GemmGrad: K > 0), so a
-    training call with an empty batch is refused before it runs (the default fallback policy
-    then runs it in PyTorch); it is not remembered as a failure of its graph."""
-    for k, t in enumerate(call.tensors):
-        if t.numel() == 0:
-            raise UnsupportedInputError(
-                cls,
-                f"input tensor #{k} is empty (shape {tuple(t.shape)}), which ONNX Runtime's "
-                "gradient kernels reject",
-                "Skip empty batches, or keep the default fallback policy (PyTorch runs them)",
-            )

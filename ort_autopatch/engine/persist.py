@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import logging
@@ -15,7 +14,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, graph, hazards, runtime, session
+from ort_autopatch.engine import export, graph, hazards, runtime
+from ort_autopatch.engine.backends import Backend
 from ort_autopatch.engine.callkey import CallKey, Guards
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.signature import FlatCall
@@ -31,6 +31,7 @@ _JSON_LEAVES = (type(None), bool, int, float, str)
 def static_key(
     *,
     cls: str,
+    backend: str,
     sources: str,
     state: ModuleState,
     key: dict[str, Any],
@@ -47,6 +48,7 @@ def static_key(
             "passes": graph.GRAPH_FIX_VERSION,
             "torch": torch.__version__,
             "onnxruntime": runtime.version(),
+            "backend": backend,
             "class": cls,
             "sources": sources,
             "state": [
@@ -80,12 +82,7 @@ def machine_fingerprint() -> str:
 
 
 def graphs_of(recipe: Recipe) -> dict[str, bytes]:
-    graphs = {"forward": recipe.forward_model}
-    if recipe.gradient is not None:
-        graphs["gradient"] = recipe.gradient.model
-    if recipe.optimized is not None:
-        graphs["optimized"] = recipe.optimized
-    return graphs
+    return {"forward": recipe.forward_model, **recipe.payload.graphs()}
 
 
 def resolve(root: Any, path: str) -> Any:
@@ -140,9 +137,9 @@ def meta_of(recipe: Recipe) -> dict[str, Any] | None:
         treespec = pytree.treespec_dumps(spec.spec)
     except Exception:  # types registered without a serialized name, e.g. custom containers
         return None
-    gradient = recipe.gradient
     return {
-        "training": recipe.training,
+        "backend": recipe.backend,
+        "has_backward": recipe.has_backward,
         "feed_sources": {k: list(v) for k, v in recipe.feed_sources.items()},
         "num_user_outputs": recipe.num_user_outputs,
         "output_treespec": treespec,
@@ -162,19 +159,11 @@ def meta_of(recipe: Recipe) -> dict[str, Any] | None:
         "traced_shapes": None
         if recipe.traced_shapes is None
         else [list(shape) for shape in recipe.traced_shapes],
-        "gradient": None
-        if gradient is None
-        else {
-            "num_forward_outputs": gradient.num_forward_outputs,
-            "num_outputs": gradient.num_outputs,
-            "non_differentiable": gradient.non_differentiable,
-            "full_shape_grads": gradient.full_shape_grads,
-            "grad_of": gradient.grad_of,
-        },
+        "payload": recipe.payload.meta(),
     }
 
 
-def recipe_from(stored: StoredEntry, cls: str) -> Recipe | None:
+def recipe_from(stored: StoredEntry, cls: str, backend: type[Backend]) -> Recipe | None:
     """A recipe from a stored entry, or None (with a warning) when the entry does not fit."""
     meta = stored.meta
     try:
@@ -183,25 +172,13 @@ def recipe_from(stored: StoredEntry, cls: str) -> Recipe | None:
             list(meta["output_leaves"]),
             [int(p) for p in meta["output_positions"]],
         )
-        g = meta["gradient"]
-        graphs = stored.graphs
-        gradient = None
-        if g is not None:
-            gradient = session.GradientGraph(
-                model=graphs["gradient"],
-                num_forward_outputs=int(g["num_forward_outputs"]),
-                num_outputs=int(g["num_outputs"]),
-                non_differentiable=[int(i) for i in g["non_differentiable"]],
-                full_shape_grads=[int(i) for i in g["full_shape_grads"]],
-                grad_of={str(k): str(v) for k, v in g["grad_of"].items()},
-            )
-        optimized = graphs.get("optimized")
-        _check(optimized or (gradient.model if gradient is not None else graphs["forward"]))
+        if meta["backend"] != backend.name:
+            raise ValueError(f"built by {meta['backend']}, not {backend.name}")
         return Recipe(
-            training=bool(meta["training"]),
-            forward_model=graphs["forward"],
-            optimized=optimized,
-            gradient=gradient,
+            backend=backend.name,
+            has_backward=bool(meta["has_backward"]),
+            forward_model=stored.graphs["forward"],
+            payload=backend.payload_from(meta["payload"], stored.graphs),
             feed_sources={k: (str(v[0]), v[1]) for k, v in meta["feed_sources"].items()},
             num_user_outputs=int(meta["num_user_outputs"]),
             output_spec=spec,
@@ -224,22 +201,24 @@ def recipe_from(stored: StoredEntry, cls: str) -> Recipe | None:
         return None
 
 
-def _check(model: bytes) -> None:
-    """Only well-formed ONNX is handed to ONNX Runtime."""
-    import onnx
-
-    onnx.checker.check_model(onnx.load_from_string(model))
-
-
-def save_onnx(folder: Path, cls: str, grad: bool, training: bool, key: str, recipe: Recipe) -> None:
-    """Write the exported (and gradient) graph with a name saying class, mode and signature."""
+def save_onnx(
+    folder: Path,
+    cls: str,
+    grad: bool,
+    training: bool,
+    key: str,
+    forward: bytes,
+    others: dict[str, bytes],
+) -> None:
+    """Write the exported forward graph (`{stem}.onnx`) and the backend's others
+    (`{stem}.{role}.onnx`) with a name saying class, mode and signature."""
     mode = "train" if grad else ("eval" if not training else "nograd")
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', cls)}-{mode}-{key[:12]}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{stem}.onnx").write_bytes(recipe.forward_model)
-        if recipe.gradient is not None:
-            (folder / f"{stem}.gradient.onnx").write_bytes(recipe.gradient.model)
+        (folder / f"{stem}.onnx").write_bytes(forward)
+        for role, model in others.items():
+            (folder / f"{stem}.{role}.onnx").write_bytes(model)
     except OSError as exc:
         log.warning("ort_autopatch: cannot save graphs to %s: %s", folder, exc)
 
@@ -293,12 +272,14 @@ class Persistence:
     def __init__(
         self,
         cls: str,
+        backend: type[Backend],
         store: GraphStore | None,
         save_onnx: Path | None,
         opset: int,
         guards: Guards | None,
     ) -> None:
         self.cls = cls
+        self.backend = backend
         self.store = store
         self.save_to = save_onnx
         self.opset = opset
@@ -321,6 +302,7 @@ class Persistence:
             return None
         return static_key(
             cls=self.cls,
+            backend=self.backend.name,
             sources=sources,
             state=state,
             key=call_key.persistent(),
@@ -335,7 +317,7 @@ class Persistence:
         stored = self.store.load(static, full_key(static, module, paths))
         if stored is None:
             return None
-        recipe = recipe_from(stored, self.cls)
+        recipe = recipe_from(stored, self.cls, self.backend)
         if recipe is None:
             return None
         if self.guards is not None:
@@ -346,14 +328,14 @@ class Persistence:
         self,
         module: torch.nn.Module,
         recipe: Recipe,
-        ran_gradient: session.GradientGraph | None,
+        ran: dict[str, bytes],
         call: FlatCall,
-        grad: bool,
         static: str | None,
         base_key: str | None,
     ) -> None:
         """Store a built recipe (`static`: its key now, `base_key`: its key when the build
-        started, None when either had none) and write its graphs to `--save-onnx`."""
+        started, None when either had none) and write the graphs its sessions run (`ran`: role
+        -> graph, besides the forward) to `--save-onnx`."""
         # torch-calling nodes name callables of this process: such graphs cannot be reloaded
         persistable = not recipe.torch_nodes
         if persistable and self.store is not None and static is not None and base_key is not None:
@@ -367,10 +349,7 @@ class Persistence:
                 )
         if self.save_to is not None:
             name = static or digest(repr(call.signature))
-            # the graphs the sessions run, torch-calling gradient nodes included
-            ran = (
-                recipe
-                if ran_gradient is None
-                else dataclasses.replace(recipe, gradient=ran_gradient)
+            grad = recipe.has_backward
+            save_onnx(
+                self.save_to, self.cls, grad, module.training, name, recipe.forward_model, ran
             )
-            save_onnx(self.save_to, self.cls, grad, module.training, name, ran)

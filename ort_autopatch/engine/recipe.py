@@ -1,5 +1,5 @@
-"""The engine's data: its options, a built graph as plain data (`Recipe`), what a build cost
-(`BuildRecord`) and what a build is asked for (`Miss`).
+"""The engine's data: its options, a built graph as plain data (`Recipe`, with its backend's
+`Payload`), what a build cost (`BuildRecord`) and what a build is asked for (`Miss`).
 
 Kept apart from the code that runs and builds graphs so that the persistent cache
 (`persist.py`) and the backends can name these types without importing the engine.
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import export, hazards, session
+from ort_autopatch.engine import export, hazards
 from ort_autopatch.engine.callkey import Shapes
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
@@ -62,20 +62,32 @@ class BuildRecord:
     hot_shape: bool = False  # a static-shape graph for an input shape that kept coming back
 
 
+class Payload(Protocol):
+    """A backend's own part of a recipe (`backends/`), as the persistent cache stores it."""
+
+    def graphs(self) -> dict[str, bytes]:
+        """ONNX graphs by role ("gradient", "backward", ...), stored as files."""
+        ...
+
+    def meta(self) -> dict[str, Any]:
+        """Everything else, as JSON."""
+        ...
+
+
 @dataclass
 class Recipe:
     """A graph and how to feed and read it, as plain data (what the persistent cache stores)."""
 
-    training: bool
-    forward_model: bytes  # the exported graph after the passes
-    gradient: session.GradientGraph | None
+    backend: str  # the name of the backend that built it (`backends.BACKENDS`)
+    has_backward: bool  # a training graph: forward and backward (not the train/eval flag)
+    forward_model: bytes  # the exported forward graph after the passes
+    payload: Payload  # what only its backend reads
     # graph input name -> ("input", flat tensor index) or ("state", qualified tensor name)
     feed_sources: dict[str, tuple[str, Any]]
     num_user_outputs: int
     output_spec: export.OutputSpec
     batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
     seeds_dropout: bool
-    optimized: bytes | None = None  # ORT's optimised form of the graph that runs
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
     checks: list[hazards.Check] = field(default_factory=list)  # the last user outputs
     traced_shapes: tuple[tuple[int, ...], ...] | None = None  # the example's input shapes

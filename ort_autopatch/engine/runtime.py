@@ -1,10 +1,11 @@
-"""Loading ONNX Runtime's training build, lazily and cheaply.
+"""Loading ONNX Runtime, lazily and cheaply, and saying which build is installed.
 
 `import onnxruntime` runs a package validation that tries to import ORTModule; on torch >= 2.6 that
 import fails after ~0.4 s and, where it succeeds, replaces `torch.manual_seed` and
 `torch.utils.checkpoint.checkpoint`. The engine only needs the C++ primitives, so it hides
 `onnxruntime.training` for the duration of the first import: the validation then sees a
 non-ORTModule build, torch stays untouched and the import costs a few tens of milliseconds.
+Which build a backend needs is the backend's to ask for (`load(training=...)`, `backends/`).
 """
 
 from __future__ import annotations

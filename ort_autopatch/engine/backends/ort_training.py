@@ -1,0 +1,539 @@
+"""The training build's backend (`onnxruntime-training`): ORT's gradient builder and TrainingAgent.
+
+A build exports `forward` once with the TorchScript exporter (`export.py`; the trace's hazards
+judged), falls back to static shapes where ORT 1.19.2 needs them, sends operators ORT cannot
+differentiate to torch (`PythonOp`/`ATen` nodes) and exports again, applies the graph passes,
+and lets ORT's `OrtModuleGraphBuilder` build the gradient graph (`session.build_gradient`). A
+training program is a `TrainingAgent` over that graph, run through `bridge.train`; an
+inference program an `InferenceSession` over the forward graph. On CPU, ORT's slow gradient
+kernels are swapped for torch-calling nodes when the session is made (`gradient_nodes.py`),
+so the stored recipe names no process's callables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ort_autopatch.engine import autocast as amp
+from ort_autopatch.engine import (
+    bridge,
+    budget,
+    export,
+    graph,
+    hazards,
+    rng,
+    runtime,
+    session,
+    torch_nodes,
+)
+from ort_autopatch.engine.backends import Backend, Progress
+from ort_autopatch.engine.errors import (
+    AutocastUnsupportedError,
+    DataDependentError,
+    ExportError,
+    GradientBuildError,
+    SessionError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
+from ort_autopatch.engine.recipe import Miss, Recipe
+from ort_autopatch.engine.signature import FlatCall
+from ort_autopatch.engine.state import ModuleState
+
+log = logging.getLogger("ort_autopatch")
+
+#: Operators whose gradients need static shapes in ORT 1.19.2 (see TrainingBuild._capture).
+_STATIC_SHAPE_OPS = ("MaxPool", "AveragePool", "LpPool")
+
+
+class _NeedsStaticShapes(Exception):
+    pass
+
+
+@dataclass
+class TrainingPayload:
+    """The training build's part of a recipe."""
+
+    gradient: session.GradientGraph | None  # None: an inference recipe
+    optimized: bytes | None = None  # ORT's optimised form of the graph that runs
+
+    def graphs(self) -> dict[str, bytes]:
+        graphs = {}
+        if self.gradient is not None:
+            graphs["gradient"] = self.gradient.model
+        if self.optimized is not None:
+            graphs["optimized"] = self.optimized
+        return graphs
+
+    def meta(self) -> dict[str, Any]:
+        g = self.gradient
+        return {
+            "gradient": None
+            if g is None
+            else {
+                "num_forward_outputs": g.num_forward_outputs,
+                "num_outputs": g.num_outputs,
+                "non_differentiable": g.non_differentiable,
+                "full_shape_grads": g.full_shape_grads,
+                "grad_of": g.grad_of,
+            }
+        }
+
+
+class _Training:
+    """A training program: forward and backward through the agent, tied into autograd."""
+
+    def __init__(
+        self,
+        program: session.TrainingProgram,
+        step: bridge.Step,
+        kept: bridge.KeptValues,
+        torch_nodes: dict[str, int],
+        saved_graphs: dict[str, bytes],
+    ) -> None:
+        self.program = program
+        self.feed_names: Sequence[str] = program.feed_names
+        self.torch_nodes = torch_nodes
+        self.saved_graphs = saved_graphs
+        self.graph = bridge.TrainingGraph(program, step, kept)
+
+    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
+        return bridge.train(self.graph, feeds, recompute)
+
+
+class _Inference:
+    """An inference program: one session over the forward graph."""
+
+    def __init__(
+        self,
+        program: session.InferenceProgram,
+        step: bridge.Step,
+        kept: bridge.KeptValues,
+        torch_nodes: dict[str, int],
+    ) -> None:
+        self.program = program
+        self.step = step
+        self.kept = kept
+        self.feed_names: Sequence[str] = program.feed_names
+        self.torch_nodes = torch_nodes
+        self.saved_graphs: dict[str, bytes] = {}
+
+    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
+        return bridge.run_inference(self.program, self.step, feeds, self.kept)
+
+
+def _require_training_build() -> None:
+    """Raise RuntimeUnavailableError (naming what to install) without a training build."""
+    runtime.load(training=True)
+
+
+class TrainingBuild(Backend):
+    """ORT's gradient builder and TrainingAgent (`onnxruntime-training` 1.19.2)."""
+
+    name: ClassVar[str] = "ort-training"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # operators learned to need torch-calling nodes, so later exports start with them
+        self._routed: frozenset[str] = frozenset(self.options.torch_ops)
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return runtime.unavailable_reason()
+
+    def refuse(self, call: FlatCall) -> None:
+        """ORT 1.19.2's gradient kernels reject zero-size dimensions (GemmGrad: K > 0), so a
+        training call with an empty batch is refused before it runs (the default fallback
+        policy then runs it in PyTorch)."""
+        for k, t in enumerate(call.tensors):
+            if t.numel() == 0:
+                raise UnsupportedInputError(
+                    self.module_class,
+                    f"input tensor #{k} is empty (shape {tuple(t.shape)}), which ONNX Runtime's "
+                    "gradient kernels reject",
+                    "Skip empty batches, or keep the default fallback policy (PyTorch runs them)",
+                )
+
+    @staticmethod
+    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> TrainingPayload:
+        g = meta["gradient"]
+        gradient = None
+        if g is not None:
+            gradient = session.GradientGraph(
+                model=graphs["gradient"],
+                num_forward_outputs=int(g["num_forward_outputs"]),
+                num_outputs=int(g["num_outputs"]),
+                non_differentiable=[int(i) for i in g["non_differentiable"]],
+                full_shape_grads=[int(i) for i in g["full_shape_grads"]],
+                grad_of={str(k): str(v) for k, v in g["grad_of"].items()},
+            )
+        optimized = graphs.get("optimized")
+        _check(optimized or (gradient.model if gradient is not None else graphs["forward"]))
+        return TrainingPayload(gradient, optimized)
+
+    # -- building ----------------------------------------------------------------------------
+    def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
+        _require_training_build()
+        if miss.grad:
+            _refuse_untrainable(self.module_class, miss)
+        dynamic = miss.shapes() is None
+        try:
+            exported = self._export(miss, dynamic=dynamic)
+            if dynamic and miss.per_shape:
+                # The trace froze sizes: this graph serves one input shape, and ORT gets it with
+                # static shapes (its gradient builder can abort on a dynamic graph whose
+                # structure was sized for one example, e.g. a Split unrolled over time).
+                dynamic = False
+                exported = self._export(miss, dynamic=False)
+            model = graph.load(exported.model_bytes)
+            if dynamic and miss.grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
+                raise _NeedsStaticShapes
+            budget.check("before its gradient build")
+            progress.phase = "gradient build"
+            recipe, exported = self._routed_recipe(miss, exported, model, dynamic)
+            return recipe, exported.seconds
+        except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
+            if not dynamic:
+                raise
+            # Pooling gradients in ORT 1.19.2 crash the process on dynamic shapes (MaxPoolGrad
+            # SIGSEGV, AveragePoolGrad SIGFPE) and adaptive pooling only exports with known
+            # sizes: such modules get one graph per input shape instead.
+            log.debug("%s: building with static shapes (%s)", self.module_class, type(exc).__name__)
+            progress.phase = "export"
+            exported = self._export(miss, dynamic=False)
+            model = graph.load(exported.model_bytes)
+            progress.phase = "gradient build"
+            recipe, exported = self._routed_recipe(miss, exported, model, dynamic=False)
+            miss.per_shape = True
+            return recipe, exported.seconds
+
+    def may_route(self, name: str) -> bool:
+        return not any(fnmatch.fnmatchcase(name, p) for p in self.options.no_torch_ops)
+
+    def _routed_recipe(
+        self, miss: Miss, exported: export.ExportedGraph, model: Any, dynamic: bool
+    ) -> tuple[Recipe, export.ExportedGraph]:
+        """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
+        export produced it become torch-calling nodes and the call is exported again."""
+        from ort_autopatch.engine import torch_ops
+
+        device = miss.device
+        while True:
+            try:
+                recipe = self._recipe(miss, exported, model)
+                gradient = _payload(recipe).gradient
+                missing = set()
+                if gradient is not None:
+                    missing = torch_ops.unrunnable_gradients(gradient.model, device)
+                if not missing:
+                    self._routed = self._routed | exported.routed
+                    return recipe, exported
+                culprits = set().union(
+                    *(torch_ops.producers(op, exported.provenance) for op in missing)
+                )
+                failure: Exception = GradientBuildError(
+                    self.module_class,
+                    f"ONNX Runtime has no {device.type} kernel for the gradient of "
+                    + ", ".join(sorted(missing)),
+                    "Allow the operators producing it to run as torch-calling nodes, or run "
+                    "this class eagerly",
+                )
+            except GradientBuildError as exc:
+                culprits = torch_ops.culprits(exc.cause, exported.provenance)
+                failure = exc
+            more = {c for c in culprits if self.may_route(c)} - exported.routed
+            if not more:
+                raise failure
+            log.debug(
+                "%s: %s become torch-calling nodes", self.module_class, ", ".join(sorted(more))
+            )
+            exported = self._export(miss, dynamic=dynamic, routed=exported.routed | more)
+            model = graph.load(exported.model_bytes)
+
+    def _export(
+        self, miss: Miss, dynamic: bool, routed: frozenset[str] | None = None
+    ) -> export.ExportedGraph:
+        from ort_autopatch.engine import torch_ops
+
+        forward, module, call = self.forward, miss.module, miss.call
+        chosen = self._routed if routed is None else routed
+        chosen = chosen | {r for r in torch_ops.default_routes(miss.device) if self.may_route(r)}
+        exported = export.export_call(
+            module,
+            lambda *a, **k: forward(module, *a, **k),
+            call.spec(),
+            call.tensors,
+            opset=self.options.opset,
+            dynamic=dynamic,
+            routed=chosen,
+            may_route=self.may_route,
+        )
+        self._judge(miss, exported.findings)
+        return exported
+
+    def _judge(self, miss: Miss, findings: hazards.Findings) -> None:
+        """Decide what a trace's hazards allow: none at all when forward decided something
+        from tensor values; a graph per input shape when the graph's structure follows the
+        sizes; otherwise one graph that recomputes the size-derived values it froze (checks)."""
+        found = findings.hazards
+        known = set(self.hazards)
+        self.hazards.extend(h for h in found if h not in known)
+        worst = hazards.worst(found)
+        if worst == hazards.VALUE:
+            places = "; ".join(h.describe() for h in found if h.kind == hazards.VALUE)
+            raise DataDependentError(
+                self.module_class,
+                f"forward decides from tensor values, which a graph would freeze ({places})",
+                "It runs in PyTorch; compute such decisions outside the selected module, or "
+                "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
+            )
+        if findings.static and not miss.per_shape:
+            log.debug(
+                "%s: the trace froze sizes (%s); one graph per input shape",
+                self.module_class,
+                "; ".join(h.describe() for h in found),
+            )
+            miss.per_shape = True
+
+    def _recipe(self, miss: Miss, exported: export.ExportedGraph, model: Any) -> Recipe:
+        """Apply the graph passes (and the gradient build) to a fresh export."""
+        state, call, grad = miss.state, miss.call, miss.grad
+        refusal = amp.cpu_refusal(model, miss.autocast)
+        if refusal is not None:
+            raise AutocastUnsupportedError(self.module_class, refusal, amp.REMEDY)
+        graph.name_outputs(model)
+        num_user_outputs = len(model.graph.output)
+        graph.relax_shapes(model)
+        graph.torch_node_mode(model, grad)
+        graph.layer_norm_outputs(model)
+        graph.cross_entropy_log_prob(model)
+        graph.attention_dropout(model)
+        graph.gather_without_axis_move(model)
+        padding = _embedding_padding(state, exported.state_names)
+        frozen = graph.embedding_padding(model, padding) if grad and padding else []
+        if grad:
+            graph.eval_batch_norm_arithmetic(model)
+        graph.torch_node_shapes_unknown(model, grad)
+        stats = graph.batch_norm_statistics(model)
+
+        user_index = {name: k for k, name in enumerate(exported.user_input_names)}
+        sources: dict[str, tuple[str, Any]] = {}
+        for graph_input in model.graph.input:
+            name = graph_input.name
+            if name in user_index:
+                sources[name] = ("input", user_index[name])
+                continue
+            base = name[: -len("__frozen")] if name in frozen else name
+            qualified = exported.state_names.get(base)
+            if qualified is None or qualified not in state.index:
+                raise UnsupportedModelError(
+                    self.module_class,
+                    f"graph input {name!r} is neither an argument nor a parameter or buffer",
+                    "Report the model; run it eagerly meanwhile",
+                )
+            sources[name] = ("state", qualified)
+        outputs = [o.name for o in model.graph.output]
+        batch_norms = [
+            (
+                exported.state_names[s.running_mean].rsplit(".", 1)[0],
+                outputs.index(s.mean_output),
+                outputs.index(s.var_output),
+            )
+            for s in stats
+        ]
+        model_bytes = model.SerializeToString()
+        gradient = None
+        if grad:
+            requiring = [
+                n
+                for n, (kind, where) in sources.items()
+                if kind == "input" and call.tensors[where].requires_grad
+            ]
+            trainable = [
+                n
+                for n, (kind, where) in sources.items()
+                if kind == "state"
+                and n not in frozen
+                and state.is_param[state.index[where]]
+                and state.tensors[state.index[where]].requires_grad
+            ]
+            gradient = session.build_gradient(
+                model_bytes,
+                feed_names=list(sources),
+                trainable=trainable + requiring,
+                inputs_requiring_grad=requiring,
+                user_inputs=exported.user_input_names,
+                extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
+                cls=self.module_class,
+                # ORT's cast propagation would undo autocast's casts (float32 out again)
+                propagate_casts=miss.autocast is None,
+            )
+        return Recipe(
+            backend=self.name,
+            has_backward=grad,
+            forward_model=model_bytes,
+            payload=TrainingPayload(gradient),
+            feed_sources=sources,
+            num_user_outputs=num_user_outputs,
+            output_spec=exported.output_spec,
+            batch_norms=batch_norms,
+            seeds_dropout=rng.draws_per_run(model),
+            torch_nodes=torch_nodes.Inventory.of(model).counts,
+            checks=exported.checks,
+            traced_shapes=call.shapes(),
+        )
+
+    # -- sessions ----------------------------------------------------------------------------
+    def instantiate(
+        self,
+        recipe: Recipe,
+        miss: Miss,
+        step: bridge.Step,
+        settings: session.SessionSettings,
+        progress: Progress,
+    ) -> _Training | _Inference:
+        _require_training_build()
+        payload = _payload(recipe)
+        device, cls = miss.device, self.module_class
+        capture = self.options.cache_dir is not None and payload.optimized is None
+        if payload.gradient is not None:
+            swapped = self._for_device(recipe, payload.gradient, miss, progress)
+            program = None
+            if swapped is not None:
+                # ORT's optimised graph would name this process's callables: never stored
+                try:
+                    program = session.build_training(swapped, device, settings, cls, None, False)
+                except SessionError as exc:
+                    # ORT's own shape inference disagrees with the swapped nodes: its kernels
+                    log.debug("%s: gradient nodes stay ORT's (%s)", cls, exc)
+                    swapped = None
+            if program is None:
+                program = session.build_training(
+                    payload.gradient, device, settings, cls, payload.optimized, capture
+                )
+                payload.optimized = payload.optimized or program.optimized
+            counts = recipe.torch_nodes
+            if swapped is not None:
+                counts = torch_nodes.Inventory.of(graph.load(swapped.model)).counts
+            ran = swapped or payload.gradient
+            kept = _kept(recipe, program.feed_names)
+            return _Training(program, step, kept, counts, {"gradient": ran.model})
+        inference = session.build_inference(
+            payload.optimized or recipe.forward_model,
+            device,
+            settings,
+            cls,
+            optimized=payload.optimized is not None,
+            capture=capture,
+        )
+        payload.optimized = payload.optimized or inference.optimized
+        kept = _kept(recipe, inference.feed_names)
+        return _Inference(inference, step, kept, recipe.torch_nodes)
+
+    def _for_device(
+        self, recipe: Recipe, gradient: session.GradientGraph, miss: Miss, progress: Progress
+    ) -> session.GradientGraph | None:
+        """The gradient graph as this device's session would rather run it, or None for the
+        recipe's own: on CPU, ORT's slow gradient kernels become torch-calling nodes
+        (`gradient_nodes`). Done here, not in the recipe, so the persistent cache keeps a graph
+        that names no process's callables and asks for no compiled executor."""
+        if miss.device.type != "cpu":
+            return None
+        from ort_autopatch.engine import aten_nodes, gradient_nodes
+
+        shapes = {
+            name: tuple(miss.call.tensors[where].shape)
+            for name, (kind, where) in recipe.feed_sources.items()
+            if kind == "input"
+        }
+
+        def aten() -> bool:
+            folder = aten_nodes.default_folder() if self.options.compile_executor else None
+            progress.phase = "loading the ATen executor"
+            try:
+                return aten_nodes.executor(folder) is None
+            finally:
+                progress.phase = "session"
+
+        model = gradient_nodes.gradients_in_torch(gradient.model, shapes, self.may_route, aten)
+        return None if model is gradient.model else dataclasses.replace(gradient, model=model)
+
+
+#: dtypes ORT 1.19.2 has too few gradient kernels for (session._refuse_dtypes reads graphs).
+_UNTRAINABLE_DTYPES = {
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+
+
+def _refuse_untrainable(cls: str, miss: Miss) -> None:
+    """Refuse a training build whose trainable parameters have a dtype ORT cannot
+    differentiate before exporting anything (the gradient build would refuse the graph later,
+    after the export's whole cost: minutes for a float64 LSTMCell loop over 1000 steps)."""
+    state = miss.state
+    found: dict[str, list[str]] = {}
+    for name, tensor, is_param in zip(state.names, state.tensors, state.is_param, strict=True):
+        dtype = _UNTRAINABLE_DTYPES.get(tensor.dtype)
+        if is_param and tensor.requires_grad and dtype is not None:
+            found.setdefault(dtype, []).append(name)
+    if found:
+        what = "; ".join(
+            f"{dtype} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+            for dtype, names in found.items()
+        )
+        raise UnsupportedInputError(
+            cls,
+            f"training with {what}: ONNX Runtime 1.19.2 lacks {'/'.join(found)} gradient "
+            "kernels for common operators (Concat's SplitTraining, ReluGrad)",
+            "Train in float32, or keep the default fallback policy (PyTorch runs this dtype)",
+        )
+
+
+def _payload(recipe: Recipe) -> TrainingPayload:
+    payload = recipe.payload
+    assert isinstance(payload, TrainingPayload), f"a {recipe.backend} recipe"
+    return payload
+
+
+def _kept(recipe: Recipe, feed_names: Sequence[str]) -> bridge.KeptValues:
+    """ORT's values of the feeds that are the module's tensors, kept from call to call."""
+    return bridge.KeptValues(
+        [k for k, name in enumerate(feed_names) if recipe.feed_sources[name][0] != "input"]
+    )
+
+
+def _check(model: bytes) -> None:
+    """Only well-formed ONNX is handed to ONNX Runtime."""
+    import onnx
+
+    onnx.checker.check_model(onnx.load_from_string(model))
+
+
+def _embedding_padding(state: ModuleState, state_names: dict[str, str]) -> dict[str, int]:
+    """Graph input name of each nn.Embedding weight with a padding_idx -> that index."""
+    by_qualified = {q: g for g, q in state_names.items()}
+    found: dict[str, int] = {}
+    for name, module in state.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            weight = f"{name}.weight" if name else "weight"
+            index = state.index.get(weight)
+            if index is None:  # tied: find the tensor's first name
+                matches = [
+                    n for n, t in zip(state.names, state.tensors, strict=True) if t is module.weight
+                ]
+                if not matches:
+                    continue
+                weight = matches[0]
+            graph_name = by_qualified.get(weight)
+            if graph_name is not None:
+                padding = module.padding_idx
+                found[graph_name] = padding if padding >= 0 else padding + module.num_embeddings
+    return found

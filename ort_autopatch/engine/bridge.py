@@ -13,6 +13,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from ort_autopatch.engine import rng, runtime, torch_nodes
+from ort_autopatch.engine.dlpack import dense_strides
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.session import InferenceProgram, TrainingProgram, ort_message
 
@@ -109,9 +110,8 @@ def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> An
         t = tensor.detach()
         if not t.is_contiguous():
             t, keeper = t.contiguous(), None  # a copy: the next call makes its own
-        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != _strides(t.shape):
-            # PyTorch calls these contiguous whatever their strides (an empty batch's
-            # gradient, size-1 dims); ORT's DLPack reader wants the canonical ones.
+        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != dense_strides(t.shape):
+            # contiguous to PyTorch, not to ORT's DLPack reader (`dlpack.py`): inlined here
             t, keeper = t.clone(memory_format=torch.contiguous_format), None
         # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
         is_bool = t.dtype is torch.bool
@@ -123,14 +123,6 @@ def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> An
         keeper.keep(k, tensor, value)
         push(value)
     return vector
-
-
-def _strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _seed_dropout() -> int:

@@ -1,7 +1,7 @@
 """Named, tested passes that make a TorchScript export trainable by ONNX Runtime 1.19.2.
 
 Each pass edits an `onnx.ModelProto` in place and is named for the one fix it makes, so tests can
-exercise them one by one.
+exercise them one by one. Which passes run, in which order and when, is declared in `passes.py`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,6 @@ from dataclasses import dataclass
 
 import onnx
 from onnx import TensorProto, helper
-
-#: Bumped whenever a pass changes what it emits; part of every persistent cache key.
-#: 3: torch-calling nodes (torch_nodes.py); 4: GroupNorm decomposed; 5: constant-index GatherGrad
-#: as SliceGrad, or one padded Concat (`gather_grad_as_slice_grad`); 6: packed q/k/v picked
-#: without the transpose (`gather_without_axis_move`); 7: torch-calling nodes' outputs with
-#: sizes of their own, reshaped where a gradient is built (`torch_node_shapes_unknown`)
-GRAPH_FIX_VERSION = 7
 
 
 def load(model_bytes: bytes) -> onnx.ModelProto:
@@ -494,7 +487,7 @@ def gather_without_axis_move(model: onnx.ModelProto) -> int:
     producer = {o: n for n in model.graph.node for o in n.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
-        for name in _reads(node):
+        for name in node_reads(node):
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in model.graph.output}
     constants = _integer_constants(model)
@@ -639,7 +632,7 @@ def _concat_slices(
     pad, but ORT 1.19.2 aborts creating a session for a gradient graph holding an `If`.)"""
     readers: dict[str, int] = {}
     for node in nodes:
-        for name in _reads(node):
+        for name in node_reads(node):
             readers[name] = readers.get(name, 0) + 1
     shape_of = {
         n.output[0]: (n.input[0], tuple(sorted((a.name, a.i) for a in n.attribute)))
@@ -699,13 +692,14 @@ def _concat_slices(
     return result
 
 
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """A node's inputs, with the outer values its subgraphs (If, Loop, Scan) read."""
-    names = list(node.input)
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """A node's inputs (absent optional ones left out), with the outer values its subgraphs
+    (If, Loop, Scan) read."""
+    names = [n for n in node.input if n]
     for attribute in node.attribute:
         for sub in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
             for inner in sub.node:
-                names.extend(_reads(inner))
+                names.extend(node_reads(inner))
     return names
 
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine import random_ops
+
 SHAPE = "shape"
 VALUE = "value"
 NONE = "none"  # a conversion whose value is the same for every input
@@ -53,7 +55,6 @@ _SHAPE_SOURCES = frozenset(
     {"aten::size", "aten::numel", "aten::dim", "prim::Constant", "onnx::Shape", "aten::len"}
 )
 _DATA_SOURCES = frozenset({"prim::Param", "prim::TracedAttr", "prim::GetAttr"})
-_RANDOM_MARKERS = ("rand", "bernoulli", "normal", "dropout", "multinomial", "poisson")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def _classify(tensor: torch.Tensor) -> str:
         kind = producer.kind()
         if kind in _SHAPE_SOURCES:
             continue
-        if kind in _DATA_SOURCES or any(m in kind for m in _RANDOM_MARKERS):
+        if kind in _DATA_SOURCES or random_ops.aten(kind):
             return VALUE
         pending.extend(producer.inputs())
     return SHAPE
@@ -443,21 +444,6 @@ def strip_sizes(graph: Any) -> int:
     return stripped
 
 
-#: Parts of the names of ATen operators that draw random numbers.
-_RANDOM_WORDS = (
-    "rand",
-    "normal",
-    "bernoulli",
-    "dropout",
-    "multinomial",
-    "uniform",
-    "exponential",
-    "poisson",
-    "cauchy",
-    "geometric",
-)
-
-
 def traced_constant(tensor: torch.Tensor) -> bool:
     """Whether the trace in progress computed `tensor` from no graph input (parameters and
     buffers are inputs too) and without drawing random numbers: the graph holds it as a
@@ -471,7 +457,7 @@ def traced_constant(tensor: torch.Tensor) -> bool:
     while pending:
         node = pending.pop().node()
         kind = node.kind()
-        if kind == "prim::Param" or any(word in kind for word in _RANDOM_WORDS):
+        if kind == "prim::Param" or random_ops.aten(kind):
             return False  # fed by an input, or drawn anew on every call
         for source in node.inputs():
             if source.unique() not in seen:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, graph, hazards, runtime
+from ort_autopatch.engine import export, hazards, passes, runtime
 from ort_autopatch.engine.backends import Backend
 from ort_autopatch.engine.callkey import CallKey, Guards
 from ort_autopatch.engine.recipe import Recipe
@@ -45,7 +45,7 @@ def static_key(
     return digest(
         {
             "tool": __version__,
-            "passes": graph.GRAPH_FIX_VERSION,
+            "passes": passes.version(),
             "torch": torch.__version__,
             "onnxruntime": runtime.version(),
             "backend": backend,

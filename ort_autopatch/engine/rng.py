@@ -22,21 +22,7 @@ from typing import Any
 
 import torch
 
-#: Operators that draw random numbers at run time. `Dropout` (and ORT's own dropout variants)
-#: read ORT's global generator at every run; the others seed a generator of their own when
-#: their session is created.
-PER_RUN_OPS = frozenset({"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"})
-PER_SESSION_OPS = frozenset(
-    {
-        "RandomNormal",
-        "RandomNormalLike",
-        "RandomUniform",
-        "RandomUniformLike",
-        "Bernoulli",
-        "Multinomial",
-    }
-)
-RANDOM_OPS = PER_RUN_OPS | PER_SESSION_OPS
+from ort_autopatch.engine import random_ops
 
 _lock = threading.Lock()
 #: per stream ("run", "session", ...): the generator state last seen, seeds taken since
@@ -48,7 +34,8 @@ def draws_per_run(model: Any) -> bool:
     `training_mode` input), so each run must be seeded first."""
     graph = getattr(model, "graph", model)
     return any(
-        node.op_type in PER_RUN_OPS and (node.op_type != "Dropout" or len(node.input) >= 3)
+        node.op_type in random_ops.ONNX_PER_RUN
+        and (node.op_type != "Dropout" or len(node.input) >= 3)
         for node in graph.node
     )
 

@@ -316,12 +316,11 @@ def build_gradient(
     """Differentiate the exported graph with ORT's OrtModuleGraphBuilder.
 
     `extra_outputs` are graph outputs (BatchNorm statistics) returned by forward after the user
-    outputs but kept out of differentiation. `propagate_casts` lets ORT move and merge Casts
-    (ORTModule's default); a graph traced under autocast keeps its casts as traced.
+    outputs but kept out of differentiation (the gradient passes, `passes.GRADIENT`, hand them
+    out of the gradient graph). `propagate_casts` lets ORT move and merge Casts (ORTModule's
+    default); a graph traced under autocast keeps its casts as traced.
     """
     import onnx
-
-    from ort_autopatch.engine import graph as graph_passes
 
     _, capi = runtime.load()
     model = onnx.load_from_string(model_bytes)
@@ -372,12 +371,6 @@ def build_gradient(
     except Exception as exc:
         raise GradientBuildError(cls, f"no gradient graph ({ort_message(exc)})", remedy) from exc
     num_forward_outputs = len(info.user_output_names) + len(info.frontier_node_arg_map)
-    if extra_outputs or b"GatherGrad" in gradient_model:
-        proto = onnx.load_from_string(gradient_model)
-        graph_passes.gather_grad_as_slice_grad(proto)
-        if extra_outputs:
-            num_forward_outputs = graph_passes.yield_extra_outputs(proto, list(extra_outputs))
-        gradient_model = proto.SerializeToString()
     grad_of = dict(info.user_input_grad_names)
     grad_of.update(
         zip(info.initializer_names_to_train, info.initializer_grad_names_to_train, strict=True)
@@ -524,6 +517,8 @@ def backward_reads(graph: Any) -> Callable[[str], bool]:
     backward. A value counts as read when it, or a value sharing its buffer through an
     aliasing operator, is an input of a backward node.
     """
+    from ort_autopatch.engine.graph import node_reads
+
     nodes = list(graph.node)
     producer = {out: k for k, node in enumerate(nodes) for out in node.output}
     yield_at = next((k for k, n in enumerate(nodes) if n.op_type == "YieldOp"), None)
@@ -535,7 +530,7 @@ def backward_reads(graph: Any) -> Callable[[str], bool]:
         k = producer.get(pending.pop(), -1)
         if k >= 0 and k not in forward:
             forward.add(k)
-            pending.extend(_node_inputs(nodes[k]))
+            pending.extend(node_reads(nodes[k]))
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -550,19 +545,9 @@ def backward_reads(graph: Any) -> Callable[[str], bool]:
         root(name)
         for k, node in enumerate(nodes)
         if k != yield_at and k not in forward
-        for name in _node_inputs(node)
+        for name in node_reads(node)
     }
     return lambda name: root(name) in read
-
-
-def _node_inputs(node: Any) -> list[str]:
-    """A node's inputs, with the outer values its subgraphs (If, Loop, Scan) use."""
-    names = [n for n in node.input if n]
-    for attribute in node.attribute:
-        for sub in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
-            for inner in sub.node:
-                names.extend(_node_inputs(inner))
-    return names
 
 
 def ort_message(exc: BaseException) -> str:

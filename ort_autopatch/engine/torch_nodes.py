@@ -36,6 +36,7 @@ import torch
 from torch.utils import dlpack
 
 from ort_autopatch.engine import aten_nodes, rng
+from ort_autopatch.engine.dlpack import dense
 
 log = logging.getLogger("ort_autopatch")
 
@@ -184,24 +185,11 @@ def _from_capsule(capsule: Any, as_bool: bool) -> torch.Tensor:
     return tensor
 
 
-def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """Dense row-major storage, as ORT's DLPack reader requires."""
-    if not t.is_contiguous():
-        return t.contiguous()
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    if t.stride() != tuple(reversed(strides)):
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
 def _to_capsule(t: torch.Tensor, as_uint8: bool) -> Any:
     t = t.detach()
     if as_uint8 or t.dtype is torch.bool:
         t = t.to(torch.uint8)
-    return dlpack.to_dlpack(_canonical(t))
+    return dlpack.to_dlpack(dense(t))
 
 
 def _fill(template: list[Any], feed: Any) -> list[Any]:

@@ -14,38 +14,11 @@ from typing import Any
 import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_helper
 
-from ort_autopatch.engine import torch_nodes
+from ort_autopatch.engine import random_ops, torch_nodes
 from ort_autopatch.engine.torch_nodes import TENSOR
 
 _Scalar = _type_utils.JitScalarType
 DOMAIN = torch_nodes.DOMAIN
-
-#: ATen operators that draw random numbers: their node runs under the tool's generator.
-RANDOM_OPS = frozenset(
-    {
-        "aten::multinomial",
-        "aten::bernoulli",
-        "aten::dropout",
-        "aten::feature_dropout",
-        "aten::alpha_dropout",
-        "aten::feature_alpha_dropout",
-        "aten::rrelu",
-        "aten::rand",
-        "aten::rand_like",
-        "aten::randn",
-        "aten::randn_like",
-        "aten::randint",
-        "aten::randint_like",
-        "aten::randperm",
-        "aten::normal",
-        "aten::lstm",
-        "aten::gru",
-        "aten::rnn_tanh",
-        "aten::rnn_relu",
-        "aten::scaled_dot_product_attention",
-        "aten::native_dropout",
-    }
-)
 
 
 class NotRoutable(Exception):
@@ -389,7 +362,7 @@ def aten_symbolic(name: str) -> Callable[..., Any]:
             template=template,
             tensors=tensors,
             outputs=outputs,
-            random=name in RANDOM_OPS,
+            random=random_ops.aten(name),  # runs under the tool's generator
         )
         return results[0] if len(results) == 1 else tuple(results)
 

@@ -25,21 +25,11 @@ import torch
 
 from ort_autopatch.engine import trees
 from ort_autopatch.engine.errors import EngineError, FailureKind
+from ort_autopatch.engine.random_ops import ONNX as RANDOM_ONNX_OPS
 
 #: A difference is a mismatch beyond max|expected| * RTOL + ATOL, per tensor.
 RTOL = 1e-4
 ATOL = 1e-6
-RANDOM_OPS = frozenset(
-    {
-        "Dropout",
-        "Bernoulli",
-        "Multinomial",
-        "RandomNormal",
-        "RandomNormalLike",
-        "RandomUniform",
-        "RandomUniformLike",
-    }
-)
 
 
 class VerificationError(EngineError):
@@ -69,7 +59,7 @@ def random_ops(model: Any) -> list[str]:
     }
     found = set()
     for node in model.graph.node:
-        if node.op_type not in RANDOM_OPS:
+        if node.op_type not in RANDOM_ONNX_OPS:
             continue
         if node.op_type == "Dropout" and _zero_ratio(node, constants):
             continue

@@ -28,6 +28,7 @@ from ort_autopatch.engine import (
     export,
     graph,
     hazards,
+    passes,
     rng,
     runtime,
     session,
@@ -308,20 +309,9 @@ class TrainingBuild(Backend):
         refusal = amp.cpu_refusal(model, miss.autocast)
         if refusal is not None:
             raise AutocastUnsupportedError(self.module_class, refusal, amp.REMEDY)
-        graph.name_outputs(model)
-        num_user_outputs = len(model.graph.output)
-        graph.relax_shapes(model)
-        graph.torch_node_mode(model, grad)
-        graph.layer_norm_outputs(model)
-        graph.cross_entropy_log_prob(model)
-        graph.attention_dropout(model)
-        graph.gather_without_axis_move(model)
         padding = _embedding_padding(state, exported.state_names)
-        frozen = graph.embedding_padding(model, padding) if grad and padding else []
-        if grad:
-            graph.eval_batch_norm_arithmetic(model)
-        graph.torch_node_shapes_unknown(model, grad)
-        stats = graph.batch_norm_statistics(model)
+        passed = passes.apply_forward(model, grad, padding)
+        frozen, stats = passed.frozen, passed.batch_norms
 
         user_index = {name: k for k, name in enumerate(exported.user_input_names)}
         sources: dict[str, tuple[str, Any]] = {}
@@ -364,16 +354,23 @@ class TrainingBuild(Backend):
                 and state.is_param[state.index[where]]
                 and state.tensors[state.index[where]].requires_grad
             ]
-            gradient = session.build_gradient(
+            extra = [n for s in stats for n in (s.mean_output, s.var_output)]
+            built = session.build_gradient(
                 model_bytes,
                 feed_names=list(sources),
                 trainable=trainable + requiring,
                 inputs_requiring_grad=requiring,
                 user_inputs=exported.user_input_names,
-                extra_outputs=[n for s in stats for n in (s.mean_output, s.var_output)],
+                extra_outputs=extra,
                 cls=self.module_class,
                 # ORT's cast propagation would undo autocast's casts (float32 out again)
                 propagate_casts=miss.autocast is None,
+            )
+            done = passes.apply_gradient(graph.load(built.model), extra, built.num_forward_outputs)
+            gradient = dataclasses.replace(
+                built,
+                model=done.model.SerializeToString(),
+                num_forward_outputs=done.num_forward_outputs,
             )
         return Recipe(
             backend=self.name,
@@ -381,7 +378,7 @@ class TrainingBuild(Backend):
             forward_model=model_bytes,
             payload=TrainingPayload(gradient),
             feed_sources=sources,
-            num_user_outputs=num_user_outputs,
+            num_user_outputs=passed.num_user_outputs,
             output_spec=exported.output_spec,
             batch_norms=batch_norms,
             seeds_dropout=rng.draws_per_run(model),

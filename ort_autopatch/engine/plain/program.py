@@ -21,6 +21,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from ort_autopatch.engine import bridge, rng, runtime, session
+from ort_autopatch.engine.dlpack import dense_strides
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.plain import lowering
 from ort_autopatch.engine.plain.capture import Captured, Feed
@@ -91,7 +92,7 @@ def _push(tensors: Sequence[torch.Tensor], kept: bridge.KeptValues | None) -> An
         t = tensor.detach()
         if not t.is_contiguous():
             t, keeper = t.contiguous(), None
-        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != bridge._strides(t.shape):
+        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != dense_strides(t.shape):
             t, keeper = t.clone(memory_format=torch.contiguous_format), None
         capsule = to_dlpack(t)
         if keeper is None:

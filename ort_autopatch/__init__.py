@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ort_autopatch.config import BY_NAME, Config, load_config
 from ort_autopatch.errors import ConfigError, NotPatchableError, OrtAutopatchError
+from ort_autopatch.versions import __version__ as __version__
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from ort_autopatch.hook import ImportHook
 
-__version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigError",

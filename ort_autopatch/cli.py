@@ -21,7 +21,6 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ort_autopatch import __version__
 from ort_autopatch.config import (
     BY_NAME,
     ENV_VARS,
@@ -32,6 +31,7 @@ from ort_autopatch.config import (
     load_config,
 )
 from ort_autopatch.errors import ConfigError
+from ort_autopatch.versions import __version__
 
 __all__ = ["BOOTSTRAP_DIR", "build_parser", "check", "export_environment", "main"]
 

@@ -39,7 +39,7 @@ from ort_autopatch.engine import (
 from ort_autopatch.engine.errors import ExecutionError, SideEffectError
 from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
-from ort_autopatch.hooks import (
+from ort_autopatch.module_hooks import (
     backward_hooked,
     forward_hooked,
     forward_without_hooks,

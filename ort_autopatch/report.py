@@ -128,8 +128,8 @@ def versions() -> dict[str, str | None]:
     """The tool's, torch's and ONNX Runtime's versions, without importing either library."""
     import sys
 
-    from ort_autopatch import __version__
     from ort_autopatch.engine import runtime
+    from ort_autopatch.versions import __version__
 
     torch_mod = sys.modules.get("torch")
     torch_version = getattr(torch_mod, "__version__", None) or distribution_version("torch")

@@ -1,4 +1,5 @@
-"""Which torch this tool is tested with, and whether the installed one is such a version.
+"""This tool's version; which torch it is tested with, and whether the installed one is such
+a version.
 
 The engine exports through torch's TorchScript ONNX exporter and some of its private modules
 (`torch.onnx._internal.torchscript_exporter`), which change between torch releases; a torch
@@ -10,6 +11,9 @@ metadata only: nothing is imported.
 from __future__ import annotations
 
 from importlib import metadata
+
+#: this tool's version (pyproject.toml's); `ort_autopatch.__version__` re-exports it
+__version__ = "0.1.0"
 
 #: torch releases (major, minor) the test suite runs on, oldest first and without gaps; keep
 #: pyproject.toml's range equal (README's compatibility table says what ran on which).

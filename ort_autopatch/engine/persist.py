@@ -40,7 +40,7 @@ def static_key(
 ) -> str:
     """Everything that decides a graph except attribute values forward read: the call key's
     persistent part (`CallKey.persistent`) and the module's tensor layout."""
-    from ort_autopatch import __version__
+    from ort_autopatch.versions import __version__
 
     return digest(
         {

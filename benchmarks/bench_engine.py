@@ -306,10 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     default_threads = torch.get_num_threads()
     # The ATen executor is compiled once per torch install, on the first CPU training graph
     # that wants it: timed here on its own, so the first calls below are every later run's.
-    from ort_autopatch.engine import aten_nodes
+    from ort_autopatch.engine.torch_in_graph import aten_executor
 
     start = time.perf_counter()
-    built = aten_nodes.build(aten_nodes.default_folder()) if aten_nodes.compiler() else None
+    folder = aten_executor.default_folder()
+    built = aten_executor.build(folder) if aten_executor.compiler() else None
     report["environment"]["aten_executor"] = {
         "path": str(built),
         "seconds": time.perf_counter() - start,  # ~0 when it was cached already

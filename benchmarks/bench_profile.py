@@ -294,7 +294,7 @@ def _relu_mlp() -> tuple[nn.Module, torch.Tensor, Loss]:
 
 def gradient_node_overhead(steps: int) -> dict[str, Any]:
     """ReLU's gradient (64x256 floats, 2^14) three ways: ORT's `ReluGrad` kernel, an `ATen`
-    node through the compiled executor, a `PythonOp` node (`gradient_nodes.py`)."""
+    node through the compiled executor, a `PythonOp` node (`torch_in_graph/gradients.py`)."""
     torch.set_num_threads(1)
     timings = _interleaved(
         _relu_mlp,

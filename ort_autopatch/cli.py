@@ -482,10 +482,10 @@ def _executor_status(config: Config) -> str:
     without it (a run would build it in the background, its first graphs without it)."""
     if not config.compile_executor:
         return "off (--no-compile-executor): gradient nodes call torch through Python"
-    from ort_autopatch.engine import aten_nodes
+    from ort_autopatch.engine.torch_in_graph import aten_executor
 
     try:
-        return f"ready ({aten_nodes.build(aten_nodes.default_folder())})"
+        return f"ready ({aten_executor.build(aten_executor.default_folder())})"
     except Exception as exc:  # the training still runs, through Python: not a problem
         return f"cannot be built, gradient nodes call torch through Python: {str(exc)[-300:]}"
 

@@ -33,10 +33,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    from ort_autopatch.engine import aten_nodes
+    from ort_autopatch.engine.torch_in_graph import aten_executor
 
-    if aten_nodes.compiler() is not None:
-        aten_nodes.build(aten_nodes.default_folder())
+    if aten_executor.compiler() is not None:
+        aten_executor.build(aten_executor.default_folder())
 
 
 # The quick loop a developer runs on every change (`nox -s tests_fast`, under 3 minutes on two

@@ -15,15 +15,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ort_autopatch.engine import aten_build, aten_nodes, runtime
+from ort_autopatch.engine import runtime
+from ort_autopatch.engine.torch_in_graph import aten_build, aten_executor
 
 needs_compiler = pytest.mark.skipif(
-    aten_nodes.compiler() is None, reason="needs a C++ compiler (the fallback is tested below)"
+    aten_executor.compiler() is None, reason="needs a C++ compiler (the fallback is tested below)"
 )
 
 
 def _session(nodes: list, inputs: list[str], initializers: dict[str, np.ndarray]) -> object:
-    assert aten_nodes.executor(aten_nodes.default_folder()) is None
+    assert aten_executor.executor(aten_executor.default_folder()) is None
     ort, _ = runtime.load()
     graph = helper.make_graph(
         nodes,
@@ -41,7 +42,7 @@ def _session(nodes: list, inputs: list[str], initializers: dict[str, np.ndarray]
     )
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(aten_nodes.DOMAIN, 1)],
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(aten_executor.DOMAIN, 1)],
         ir_version=8,
     )
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -50,7 +51,7 @@ def _session(nodes: list, inputs: list[str], initializers: dict[str, np.ndarray]
 @needs_compiler
 def test_an_aten_node_reads_int_list_bool_and_absent_optional_arguments_by_schema() -> None:
     # aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim, *, ScalarType? dtype)
-    node = aten_nodes.node("aten::sum", ["x", "dims", "keep", ""], ["out"], "sum", "dim_IntList")
+    node = aten_executor.node("aten::sum", ["x", "dims", "keep", ""], ["out"], "sum", "dim_IntList")
     session = _session([node], ["x"], {"dims": np.array([0, 2], np.int64), "keep": np.array(True)})
     x = torch.randn(3, 4, 5)
     (got,) = session.run(None, {"x": x.numpy()})  # type: ignore[attr-defined]
@@ -59,7 +60,7 @@ def test_an_aten_node_reads_int_list_bool_and_absent_optional_arguments_by_schem
 
 @needs_compiler
 def test_an_aten_node_reads_a_scalar_argument() -> None:
-    node = aten_nodes.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
+    node = aten_executor.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
     session = _session([node], ["g", "y"], {"t": np.array(0.5, np.float32)})
     g, y = torch.randn(100), torch.rand(100)
     (got,) = session.run(None, {"g": g.numpy(), "y": y.numpy()})  # type: ignore[attr-defined]
@@ -72,7 +73,7 @@ def test_an_aten_node_reads_a_string_argument(approximate: str | None) -> None:
     # gelu_backward(Tensor grad_output, Tensor self, *, str approximate="none"); None: absent
     constants = {} if approximate is None else {"a": np.frombuffer(approximate.encode(), np.uint8)}
     name = "" if approximate is None else "a"
-    node = aten_nodes.node("aten::gelu_backward", ["g", "x", name], ["out"], "gelu_grad")
+    node = aten_executor.node("aten::gelu_backward", ["g", "x", name], ["out"], "gelu_grad")
     session = _session([node], ["g", "x"], constants)
     g, x = torch.randn(100), torch.randn(100)
     (got,) = session.run(None, {"g": g.numpy(), "x": x.numpy()})  # type: ignore[attr-defined]
@@ -82,7 +83,7 @@ def test_an_aten_node_reads_a_string_argument(approximate: str | None) -> None:
 
 @needs_compiler
 def test_a_failing_operator_fails_the_run_with_torchs_message() -> None:
-    node = aten_nodes.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
+    node = aten_executor.node("aten::threshold_backward", ["g", "y", "t"], ["out"], "relu_grad")
     session = _session([node], ["g", "y"], {"t": np.array(0.0, np.float32)})
     with pytest.raises(Exception, match="must match the size"):
         session.run(None, {"g": np.ones(3, np.float32), "y": np.ones(4, np.float32)})  # type: ignore[attr-defined]
@@ -91,8 +92,8 @@ def test_a_failing_operator_fails_the_run_with_torchs_message() -> None:
 _BUILD = """
 import sys
 from pathlib import Path
-from ort_autopatch.engine import aten_nodes
-print(aten_nodes.build(Path(sys.argv[1])))
+from ort_autopatch.engine.torch_in_graph import aten_executor
+print(aten_executor.build(Path(sys.argv[1])))
 """
 
 
@@ -110,7 +111,7 @@ def test_concurrent_processes_build_the_executor_once_and_share_it(tmp_path: Pat
     (built,) = paths
     assert [p.name for p in folder.glob("*.so")] == [Path(built).name]
     stamp = Path(built).stat().st_mtime_ns
-    assert aten_nodes.build(folder) == Path(built)  # cached: not built again
+    assert aten_executor.build(folder) == Path(built)  # cached: not built again
     assert Path(built).stat().st_mtime_ns == stamp
 
 
@@ -163,9 +164,9 @@ def test_a_compiler_error_is_reported_with_its_output(
 ) -> None:
     source = tmp_path / "broken.cpp"
     source.write_text("this is not C++\n")
-    monkeypatch.setattr(aten_nodes, "SOURCE", source)
-    with pytest.raises(aten_nodes.BuildError, match=r"failed: .*broken\.cpp"):
-        aten_nodes.build(tmp_path / "cache")
+    monkeypatch.setattr(aten_executor, "SOURCE", source)
+    with pytest.raises(aten_executor.BuildError, match=r"failed: .*broken\.cpp"):
+        aten_executor.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
@@ -187,7 +188,8 @@ _FIRST_STEPS = """
 import copy, logging, sys, time
 from pathlib import Path
 import onnx, torch
-from ort_autopatch.engine import EngineOptions, ModuleEngine, aten_build, aten_nodes
+from ort_autopatch.engine import EngineOptions, ModuleEngine
+from ort_autopatch.engine.torch_in_graph import aten_build, aten_executor
 
 logging.basicConfig(level=logging.INFO)
 torch.manual_seed(0)
@@ -207,7 +209,7 @@ def graphs() -> list[set[str]]:
             for e in engine._cache._entries.values()]
 
 step()  # the first graph: starts the build, does not wait for it
-_, target = aten_nodes._plan(aten_nodes.default_folder())
+_, target = aten_executor._plan(aten_executor.default_folder())
 print("first step, compiler still running:", aten_build.building(target), flush=True)
 print("first graph:", "ATen" in graphs()[0], "PythonOp" in graphs()[0], flush=True)
 if sys.argv[1] == "exit":
@@ -235,7 +237,7 @@ def slow_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
         "CXX": str(compiler),
         "COMPILER_RUNS": str(tmp_path / "runs"),
         "COMPILER_GO": str(tmp_path / "go"),
-        "REAL_EXECUTOR": str(aten_nodes.build(aten_nodes.default_folder())),
+        "REAL_EXECUTOR": str(aten_executor.build(aten_executor.default_folder())),
         "OMP_NUM_THREADS": "1",
     }
     for name in ("XDG_CACHE_HOME", "CXX"):
@@ -244,7 +246,7 @@ def slow_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
 
 
 def _target() -> Path:
-    return aten_nodes._plan(aten_nodes.default_folder())[1]  # as the subprocesses name it
+    return aten_executor._plan(aten_executor.default_folder())[1]  # as the subprocesses name it
 
 
 @needs_compiler

@@ -22,13 +22,13 @@ from ort_autopatch.engine import (
     ExportError,
     ModuleEngine,
     is_exporting,
-    torch_nodes,
 )
+from ort_autopatch.engine.torch_in_graph import nodes
 from tests.helpers import assert_training_parity
 
 pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.skipif(
-    torch_nodes.supported_platform() is not None, reason="torch-calling nodes need x86-64 Linux"
+    nodes.supported_platform() is not None, reason="torch-calling nodes need x86-64 Linux"
 )
 
 STEPS = 4
@@ -273,7 +273,7 @@ def test_function_in_eval_and_no_grad_runs_forward_only() -> None:
     model = Quantised()
     engine = ModuleEngine(copy.deepcopy(model))
     x = torch.randn(5, 8)
-    live = torch_nodes.live_contexts()
+    live = nodes.live_contexts()
     with torch.no_grad():
         torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
     engine_model = engine._module()
@@ -281,16 +281,16 @@ def test_function_in_eval_and_no_grad_runs_forward_only() -> None:
     engine_model.eval()
     model.eval()
     torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
-    assert torch_nodes.live_contexts() == live  # forward-only graphs keep no torch graph
+    assert nodes.live_contexts() == live  # forward-only graphs keep no torch graph
 
 
 def test_forward_without_backward_frees_the_torch_graphs() -> None:
     engine = ModuleEngine(Cumulative())
-    live = torch_nodes.live_contexts()
+    live = nodes.live_contexts()
     out = engine(torch.randn(3, 6))
-    assert torch_nodes.live_contexts() == live + 2
+    assert nodes.live_contexts() == live + 2
     del out  # never backpropagated
-    assert torch_nodes.live_contexts() == live
+    assert nodes.live_contexts() == live
 
 
 def test_error_inside_a_torch_calling_node_is_reported_with_its_cause() -> None:
@@ -312,11 +312,11 @@ def test_error_inside_a_torch_calling_node_is_reported_with_its_cause() -> None:
             return Fails.apply(x) + 1
 
     engine = ModuleEngine(UsesIt())
-    live = torch_nodes.live_contexts()
+    live = nodes.live_contexts()
     with pytest.raises(ExecutionError, match="boom from the user's Function") as info:
         engine(torch.randn(2, 2, requires_grad=True))
     assert isinstance(info.value.__cause__, ValueError)
-    assert torch_nodes.live_contexts() == live
+    assert nodes.live_contexts() == live
 
 
 class SqueezeExcite(nn.Module):
@@ -1018,9 +1018,9 @@ def test_the_relu_gradient_in_torch_gives_zero_where_eager_does_for_an_infinite_
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["aten-node", "python-node"])
 def test_a_small_relus_gradient_stays_in_onnx(compiled: bool) -> None:
-    from ort_autopatch.engine import gradient_nodes
+    from ort_autopatch.engine.torch_in_graph import gradients
 
-    smallest = gradient_nodes.ATEN_FROM if compiled else gradient_nodes.PYTHON_FROM
+    smallest = gradients.ATEN_FROM if compiled else gradients.PYTHON_FROM
     engine = ModuleEngine(WideFeedForward(), EngineOptions(compile_executor=compiled))
     engine(torch.randn(smallest // 256 - 1, 32)).sum().backward()  # 256 units behind the ReLU
     assert _torch_nodes(engine) == {}
@@ -1029,10 +1029,10 @@ def test_a_small_relus_gradient_stays_in_onnx(compiled: bool) -> None:
 def test_a_graph_without_a_large_enough_gradient_node_never_asks_for_the_executor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ort_autopatch.engine import aten_nodes
+    from ort_autopatch.engine.torch_in_graph import aten_executor
 
     asked: list[object] = []
-    monkeypatch.setattr(aten_nodes, "executor", lambda folder: asked.append(folder))
+    monkeypatch.setattr(aten_executor, "executor", lambda folder: asked.append(folder))
     engine = ModuleEngine(WideFeedForward())
     engine(torch.randn(2, 32)).sum().backward()  # 512 floats behind the ReLU
     assert asked == [] and _torch_nodes(engine) == {}

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from ort_autopatch.engine import rng, runtime, torch_nodes
+from ort_autopatch.engine import rng, runtime
 from ort_autopatch.engine.dlpack import dense_strides
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.session import InferenceProgram, TrainingProgram, ort_message
+from ort_autopatch.engine.torch_in_graph import nodes
 
 
 @dataclass
@@ -198,7 +199,7 @@ def run_inference(
                 program.fetch_devices,
             )
     except Exception as exc:
-        raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
+        raise _failure(step, "forward", exc) from nodes.take_error() or exc
     return _post_forward(step, _tensors(fetches, caller))
 
 
@@ -214,7 +215,7 @@ class _RunState:
 
 def _failure(step: Step, phase: str, exc: BaseException) -> ExecutionError:
     """ORT's message, or the Python error a torch-calling node hit (ORT only saw its result)."""
-    inner = torch_nodes.peek_error()
+    inner = nodes.peek_error()
     cause = (
         f"a torch-calling node failed in {phase}: {type(inner).__name__}: {inner}"
         if inner is not None
@@ -235,7 +236,7 @@ def _run_forward(
     step: Step,
     feeds: Sequence[torch.Tensor],
     kept: KeptValues | None = None,
-) -> tuple[Any, list[torch.Tensor], list[torch_nodes.Context]]:
+) -> tuple[Any, list[torch.Tensor], list[nodes.Context]]:
     """ORT's forward: its execution state (what backward needs), every output, and the contexts
     of its torch-calling nodes (their torch graphs, kept for backward)."""
     _, capi = runtime.load()
@@ -249,11 +250,11 @@ def _run_forward(
             raise _failure(step, "forward", exc) from exc
         return state, _tensors(outputs_vector), []
     try:
-        with torch_nodes.collecting() as contexts, on_stream(program.stream) as caller:
+        with nodes.collecting() as contexts, on_stream(program.stream) as caller:
             program.agent.run_forward(_push(feeds, kept), outputs_vector, state, None)
     except Exception as exc:
-        torch_nodes.release(contexts)
-        raise _failure(step, "forward", exc) from torch_nodes.take_error() or exc
+        nodes.release(contexts)
+        raise _failure(step, "forward", exc) from nodes.take_error() or exc
     return state, _tensors(outputs_vector, caller), contexts
 
 
@@ -284,7 +285,7 @@ def _run_backward(
         failure = _failure(step, "backward", exc)
         if step.backward_failed is not None:
             step.backward_failed(failure)
-        raise failure from torch_nodes.take_error() or exc
+        raise failure from nodes.take_error() or exc
     finally:
         run.state = None
     tensors = _tensors(results, caller)
@@ -331,7 +332,7 @@ class TrainingCall(torch.autograd.Function):
         if contexts:
             # torch-calling nodes keep their torch graph until backward; free it with the run
             # when backward never comes (an output nobody backpropagates)
-            weakref.finalize(ctx.run, torch_nodes.release, contexts)
+            weakref.finalize(ctx.run, nodes.release, contexts)
         ctx.set_materialize_grads(False)
         user = _user_outputs(ctx, program, step, outputs)
         # Saved only for autograd's version check: the backward pass reads these buffers (ORT
@@ -367,9 +368,9 @@ class RecomputingTrainingCall(torch.autograd.Function):
     def forward(ctx: Any, graph: TrainingGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         program, step = graph.program, graph.step
         seed = _seed_dropout() if step.seeds_dropout else None
-        with torch_nodes.recorded_seeds(None) as drawn:
+        with nodes.recorded_seeds(None) as drawn:
             _, outputs, contexts = _run_forward(program, step, feeds)
-        torch_nodes.release(contexts)  # ORT's state is dropped here: no backward from it
+        nodes.release(contexts)  # ORT's state is dropped here: no backward from it
         ctx.graph = graph
         ctx.seeds = (seed, drawn)
         ctx.set_materialize_grads(False)
@@ -385,13 +386,13 @@ class RecomputingTrainingCall(torch.autograd.Function):
         seed, drawn = ctx.seeds
         if seed is not None:
             runtime.capi().set_seed(seed)
-        with torch_nodes.recorded_seeds(drawn):
+        with nodes.recorded_seeds(drawn):
             state, outputs, contexts = _run_forward(program, step, feeds)
         try:
             run = _RunState(state, _output_info(outputs))
             grads = _run_backward(program, step, run, grad_outputs)
         finally:
-            torch_nodes.release(contexts)
+            nodes.release(contexts)
         return (None, *grads)
 
 

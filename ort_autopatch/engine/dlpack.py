@@ -2,7 +2,7 @@
 
 PyTorch calls a tensor contiguous whatever the strides of its size-1 dims (and of an empty
 tensor); ORT's reader wants the canonical ones. Both directions that hand torch tensors to ORT
-(`bridge` for graph feeds, `torch_nodes` for a torch-calling node's outputs) use this rule.
+(`bridge` for graph feeds, `torch_in_graph.nodes` for a torch-calling node's outputs) use this rule.
 """
 
 from __future__ import annotations

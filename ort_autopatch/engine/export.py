@@ -322,7 +322,7 @@ def export_call(
     """Trace `forward(*args, **kwargs)` once and return the ONNX graph.
 
     Custom autograd Functions and the ATen operators named in `routed` become torch-calling
-    nodes (torch_nodes.py). An ATen operator whose export fails is routed too when
+    nodes (`torch_in_graph/nodes.py`). An ATen operator whose export fails is routed too when
     `may_route(name)` allows it, and the export is tried again.
     Parameters, buffers and RNG states are exactly as before when this returns, also on failure.
     Holds `EXPORT_LOCK` throughout (see the module docstring).

@@ -2,8 +2,8 @@
 
 Two vocabularies ask. ONNX operator types: `rng` seeds the graphs that hold one, `verify`
 cannot compare their numbers with eager's. ATen operator names (as the TorchScript trace and
-the exporter see them, "aten::dropout"): `torch_ops` runs a torch-calling node of one under
-the tool's generator, `hazards` never takes a value drawn by one for a constant or a size.
+the exporter see them, "aten::dropout"): `torch_in_graph.routing` runs a torch-calling node of
+one under the tool's generator, `hazards` never takes a value drawn by one for a constant or a size.
 Counting an operator as random when it is not costs a seed or a conservative judgment;
 missing one costs wrong numbers, so the ATen rule matches by words in the name.
 """

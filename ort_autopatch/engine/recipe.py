@@ -38,7 +38,8 @@ class EngineOptions:
     # calls in a row with one input shape after which that shape gets a static-shape graph of
     # its own (callkey.HotShapes; 0: never)
     static_after: int = 8
-    # gradient nodes may call torch through the compiled ATen executor (aten_nodes.py)
+    # gradient nodes may call torch through the compiled ATen executor
+    # (torch_in_graph/aten_executor.py)
     compile_executor: bool = True
     # graphs serving one input shape allocate from the shared CPU arena (session.shared_arena)
     memory_arena: bool = True

@@ -214,12 +214,12 @@ def _current_override(name: str, opset: int) -> Callable[..., Any] | None:
 def for_export(routed: frozenset[str] = frozenset()) -> dict[str, Callable[..., Any]]:
     """Every symbolic one export needs: ours, custom autograd Functions as torch-calling nodes,
     and the ATen operators in `routed` (e.g. "aten::cummax") as torch-calling nodes."""
-    from ort_autopatch.engine import torch_ops
+    from ort_autopatch.engine.torch_in_graph import routing
 
     found: dict[str, Callable[..., Any]] = dict(SYMBOLICS)
-    found["prim::PythonOp"] = torch_ops.autograd_function
+    found["prim::PythonOp"] = routing.autograd_function
     for name in routed:
-        found[name] = torch_ops.aten_symbolic(name)
+        found[name] = routing.aten_symbolic(name)
     return found
 
 

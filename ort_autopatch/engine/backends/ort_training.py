@@ -6,8 +6,8 @@ differentiate to torch (`PythonOp`/`ATen` nodes) and exports again, applies the 
 and lets ORT's `OrtModuleGraphBuilder` build the gradient graph (`session.build_gradient`). A
 training program is a `TrainingAgent` over that graph, run through `bridge.train`; an
 inference program an `InferenceSession` over the forward graph. On CPU, ORT's slow gradient
-kernels are swapped for torch-calling nodes when the session is made (`gradient_nodes.py`),
-so the stored recipe names no process's callables.
+kernels are swapped for torch-calling nodes when the session is made
+(`torch_in_graph/gradients.py`), so the stored recipe names no process's callables.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from ort_autopatch.engine import (
     rng,
     runtime,
     session,
-    torch_nodes,
 )
 from ort_autopatch.engine.backends import Backend, Progress
 from ort_autopatch.engine.errors import (
@@ -47,6 +46,7 @@ from ort_autopatch.engine.errors import (
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
+from ort_autopatch.engine.torch_in_graph import nodes
 
 log = logging.getLogger("ort_autopatch")
 
@@ -223,7 +223,7 @@ class TrainingBuild(Backend):
     ) -> tuple[Recipe, export.ExportedGraph]:
         """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
         export produced it become torch-calling nodes and the call is exported again."""
-        from ort_autopatch.engine import torch_ops
+        from ort_autopatch.engine.torch_in_graph import routing
 
         device = miss.device
         while True:
@@ -232,12 +232,12 @@ class TrainingBuild(Backend):
                 gradient = _payload(recipe).gradient
                 missing = set()
                 if gradient is not None:
-                    missing = torch_ops.unrunnable_gradients(gradient.model, device)
+                    missing = routing.unrunnable_gradients(gradient.model, device)
                 if not missing:
                     self._routed = self._routed | exported.routed
                     return recipe, exported
                 culprits = set().union(
-                    *(torch_ops.producers(op, exported.provenance) for op in missing)
+                    *(routing.producers(op, exported.provenance) for op in missing)
                 )
                 failure: Exception = GradientBuildError(
                     self.module_class,
@@ -247,7 +247,7 @@ class TrainingBuild(Backend):
                     "this class eagerly",
                 )
             except GradientBuildError as exc:
-                culprits = torch_ops.culprits(exc.cause, exported.provenance)
+                culprits = routing.culprits(exc.cause, exported.provenance)
                 failure = exc
             more = {c for c in culprits if self.may_route(c)} - exported.routed
             if not more:
@@ -261,11 +261,11 @@ class TrainingBuild(Backend):
     def _export(
         self, miss: Miss, dynamic: bool, routed: frozenset[str] | None = None
     ) -> export.ExportedGraph:
-        from ort_autopatch.engine import torch_ops
+        from ort_autopatch.engine.torch_in_graph import routing
 
         forward, module, call = self.forward, miss.module, miss.call
         chosen = self._routed if routed is None else routed
-        chosen = chosen | {r for r in torch_ops.default_routes(miss.device) if self.may_route(r)}
+        chosen = chosen | {r for r in routing.default_routes(miss.device) if self.may_route(r)}
         exported = export.export_call(
             module,
             lambda *a, **k: forward(module, *a, **k),
@@ -382,7 +382,7 @@ class TrainingBuild(Backend):
             output_spec=exported.output_spec,
             batch_norms=batch_norms,
             seeds_dropout=rng.draws_per_run(model),
-            torch_nodes=torch_nodes.Inventory.of(model).counts,
+            torch_nodes=nodes.Inventory.of(model).counts,
             checks=exported.checks,
             traced_shapes=call.shapes(),
         )
@@ -418,7 +418,7 @@ class TrainingBuild(Backend):
                 payload.optimized = payload.optimized or program.optimized
             counts = recipe.torch_nodes
             if swapped is not None:
-                counts = torch_nodes.Inventory.of(graph.load(swapped.model)).counts
+                counts = nodes.Inventory.of(graph.load(swapped.model)).counts
             ran = swapped or payload.gradient
             kept = _kept(recipe, program.feed_names)
             return _Training(program, step, kept, counts, {"gradient": ran.model})
@@ -439,11 +439,11 @@ class TrainingBuild(Backend):
     ) -> session.GradientGraph | None:
         """The gradient graph as this device's session would rather run it, or None for the
         recipe's own: on CPU, ORT's slow gradient kernels become torch-calling nodes
-        (`gradient_nodes`). Done here, not in the recipe, so the persistent cache keeps a graph
-        that names no process's callables and asks for no compiled executor."""
+        (`torch_in_graph.gradients`). Done here, not in the recipe, so the persistent cache keeps
+        a graph that names no process's callables and asks for no compiled executor."""
         if miss.device.type != "cpu":
             return None
-        from ort_autopatch.engine import aten_nodes, gradient_nodes
+        from ort_autopatch.engine.torch_in_graph import aten_executor, gradients
 
         shapes = {
             name: tuple(miss.call.tensors[where].shape)
@@ -452,14 +452,14 @@ class TrainingBuild(Backend):
         }
 
         def aten() -> bool:
-            folder = aten_nodes.default_folder() if self.options.compile_executor else None
+            folder = aten_executor.default_folder() if self.options.compile_executor else None
             progress.phase = "loading the ATen executor"
             try:
-                return aten_nodes.executor(folder) is None
+                return aten_executor.executor(folder) is None
             finally:
                 progress.phase = "session"
 
-        model = gradient_nodes.gradients_in_torch(gradient.model, shapes, self.may_route, aten)
+        model = gradients.gradients_in_torch(gradient.model, shapes, self.may_route, aten)
         return None if model is gradient.model else dataclasses.replace(gradient, model=model)
 
 

@@ -1,4 +1,4 @@
-"""Export-time symbolics that turn a traced call into a torch-calling node (torch_nodes.py).
+"""Export-time symbolics that turn a traced call into a torch-calling node (`nodes.py`).
 
 Two sources: a custom `torch.autograd.Function` (the tracer records `prim::PythonOp`; the node
 calls the Function's own `apply`, so its own forward and backward run), and any ATen operator
@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_helper
 
-from ort_autopatch.engine import random_ops, torch_nodes
-from ort_autopatch.engine.torch_nodes import TENSOR
+from ort_autopatch.engine import random_ops
+from ort_autopatch.engine.torch_in_graph import nodes
+from ort_autopatch.engine.torch_in_graph.nodes import TENSOR
 
 _Scalar = _type_utils.JitScalarType
-DOMAIN = torch_nodes.DOMAIN
+DOMAIN = nodes.DOMAIN
 
 
 class NotRoutable(Exception):
@@ -91,7 +92,7 @@ def emit(
             raise NotRoutable(f"{label}: an output has no known dtype")
         bool_outputs.append(scalar == _Scalar.BOOL)
         out_types.append(_Scalar.UINT8 if scalar == _Scalar.BOOL else scalar)
-    spec = torch_nodes.new_spec(
+    spec = nodes.new_spec(
         label,
         kind,
         call,
@@ -103,7 +104,7 @@ def emit(
         [s.dtype() for s in out_types],
     )
     values = g.op(
-        f"{torch_nodes.DOMAIN}::{torch_nodes.OP_TYPE}",
+        f"{nodes.DOMAIN}::{nodes.OP_TYPE}",
         *tensors,
         func_name_s=spec.name,
         input_convention_s="d" * len(tensors),
@@ -422,7 +423,7 @@ def unrunnable_gradients(gradient_model: bytes, device: torch.device) -> set[str
     }
     forward_ops = set(SHAPE_INFERRED_GRADIENTS.values())
     if any(n.op_type in SHAPE_INFERRED_GRADIENTS for n in model.graph.node) and any(
-        n.op_type == torch_nodes.OP_TYPE for n in model.graph.node
+        n.op_type == nodes.OP_TYPE for n in model.graph.node
     ):
         inferred = onnx.shape_inference.infer_shapes(model)
         known = {

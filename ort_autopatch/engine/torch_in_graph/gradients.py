@@ -10,8 +10,8 @@ infinite gradient meets a zeroed ReLU unit (`sqrt(relu(x))`), which `Mul` by the
 faster ONNX form, turns into NaN; ONNX's `Where` is as slow as `ReluGrad`; ORT's `GeluGrad`
 computes another erf (1.4e-6 away).
 
-Two kinds of node call torch: an `ATen` node through the compiled executor (`aten_nodes`, about
-15 us a node) where it is available, else a `PythonOp` (`torch_nodes`, 0.1 to 0.2 ms). Each
+Two kinds of node call torch: an `ATen` node through the compiled executor (`aten_executor`, about
+15 us a node) where it is available, else a `PythonOp` (`nodes`, 0.1 to 0.2 ms). Each
 replaces a gradient node from its own size on (`ATEN_FROM`, `PYTHON_FROM`). The forward nodes
 stay ONNX: no round trip, and what reads them (pooling gradients) keeps its shapes.
 """
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import aten_nodes, torch_nodes
-from ort_autopatch.engine.torch_nodes import TENSOR
+from ort_autopatch.engine.torch_in_graph import aten_executor, nodes
+from ort_autopatch.engine.torch_in_graph.nodes import TENSOR
 
 #: Elements from which a gradient node calls torch through the compiled executor: ORT's
 #: `ReluGrad` takes 141 us for 2^15 floats and an `ATen` node 19 us (about 15 of them fixed);
@@ -225,12 +225,12 @@ def gradients_in_torch(
     typed: list[Any] = []  # value_info the ATen nodes' outputs need (ORT cannot infer them)
     swapped = 0
     executor: bool | None = None  # aten(), once asked
-    nodes = []
+    rewritten: list[Any] = []
     for node in model.graph.node:
-        route = GRADIENTS_IN_TORCH.get(node.op_type) if node.domain == torch_nodes.DOMAIN else None
+        route = GRADIENTS_IN_TORCH.get(node.op_type) if node.domain == nodes.DOMAIN else None
         known = types.get(node.input[1], float32) if route is not None else None
         if route is None or known is None or known.elem_type != TensorProto.FLOAT:
-            nodes.append(node)
+            rewritten.append(node)
             continue
         label, bind = route
         rank, numel = -1, largest_input  # unknown behind dynamic reshapes or a torch node
@@ -240,13 +240,13 @@ def gradients_in_torch(
             if all(d.HasField("dim_value") for d in dims):
                 numel = math.prod(d.dim_value for d in dims)
         if numel < ATEN_FROM or not may_route(label):
-            nodes.append(node)
+            rewritten.append(node)
             continue
         if executor is None:
             executor = aten()
         binding = bind(node, rank) if executor or numel >= PYTHON_FROM else None
         if binding is None:
-            nodes.append(node)
+            rewritten.append(node)
             continue
         outputs = []
         for k in range(len(binding.output_ranks)):
@@ -259,24 +259,24 @@ def gradients_in_torch(
             outputs.append(name)
         if executor:
             prelude, arguments = binding.aten(node, constants)
-            nodes.extend(prelude)
-            nodes.append(aten_nodes.node(label, arguments, outputs, f"{node.name}__aten"))
+            rewritten.extend(prelude)
+            rewritten.append(aten_executor.node(label, arguments, outputs, f"{node.name}__aten"))
             typed.extend(
                 _float_info(name, rank)
                 for name, rank in zip(outputs, binding.output_ranks, strict=True)
                 if name not in declared
             )
         else:
-            nodes.append(_python_node(node, label, binding, outputs))
+            rewritten.append(_python_node(node, label, binding, outputs))
         swapped += 1
     if swapped == 0:
         return gradient_model  # the very same graph
     del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    model.graph.node.extend(rewritten)
     model.graph.initializer.extend(constants.made.values())
     model.graph.value_info.extend(typed)
-    if executor and not any(o.domain == aten_nodes.DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(aten_nodes.DOMAIN, 1))
+    if executor and not any(o.domain == aten_executor.DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(aten_executor.DOMAIN, 1))
     return model.SerializeToString()
 
 
@@ -291,7 +291,7 @@ def _float_info(name: str, rank: int) -> Any:
 def _python_node(node: Any, label: str, binding: _Binding, outputs: list[str]) -> Any:
     from onnx import TensorProto, helper
 
-    spec = torch_nodes.new_spec(
+    spec = nodes.new_spec(
         label,
         "aten",
         binding.python,
@@ -301,11 +301,11 @@ def _python_node(node: Any, label: str, binding: _Binding, outputs: list[str]) -
         output_dtypes=[torch.float32] * len(binding.output_ranks),
     )
     return helper.make_node(
-        torch_nodes.OP_TYPE,
+        nodes.OP_TYPE,
         list(node.input),
         [f"{outputs[0]}__context", *outputs],
         name=f"{node.name}__torch",
-        domain=torch_nodes.DOMAIN,
+        domain=nodes.DOMAIN,
         func_name=spec.name,
         input_convention="d" * len(binding.input_ranks),
         input_tensor_types=[TensorProto.FLOAT] * len(binding.input_ranks),

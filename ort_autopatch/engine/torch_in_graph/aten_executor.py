@@ -3,9 +3,9 @@
 ORT's training build runs `org.pytorch.aten::ATen` (attributes `operator`, `overload_name`) by
 calling a registered C++ executor with DLPack tensors. The executor (`aten_executor.cpp`) finds
 the operator in torch's dispatcher and calls it: about 15 us a node, against 0.1 to 0.2 ms for
-a `PythonOp` (`torch_nodes`), whose round trip through Python, ctypes and autograd costs more than
+a `PythonOp` (`nodes`), whose round trip through Python, ctypes and autograd costs more than
 the small gradient kernels it replaces. It has no autograd, so it serves nodes of the backward
-pass, which ORT differentiated already (`gradient_nodes`).
+pass, which ORT differentiated already (`gradients`).
 
 The executor is compiled with the machine's C++ compiler against the torch in the running
 interpreter (about 15 s, once) and cached by the hash of its source, torch's version and the
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import aten_build
+from ort_autopatch.engine.torch_in_graph import aten_build
 
 log = logging.getLogger("ort_autopatch")
 

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch.utils import dlpack
 
-from ort_autopatch.engine import aten_nodes, rng
+from ort_autopatch.engine import rng
 from ort_autopatch.engine.dlpack import dense
+from ort_autopatch.engine.torch_in_graph import aten_executor
 
 log = logging.getLogger("ort_autopatch")
 
@@ -558,7 +559,7 @@ def nodes_in(model: Any) -> list[NodeRecord]:
             spec = _specs.get(name)
             if spec is not None:
                 found.append(NodeRecord(name, spec.label, spec.kind))
-        elif node.op_type == aten_nodes.OP_TYPE and node.domain == aten_nodes.DOMAIN:
+        elif node.op_type == aten_executor.OP_TYPE and node.domain == aten_executor.DOMAIN:
             operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
             found.append(NodeRecord(node.name, operator, "aten"))
     return found

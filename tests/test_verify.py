@@ -1,0 +1,74 @@
+"""verify.py on its own: comparing a graph's call with eager's, and what cannot be compared."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from ort_autopatch.engine import verify
+
+
+def _model(op: str, ratio: float | None) -> onnx.ModelProto:
+    nodes, inputs = [], ["x"]
+    if ratio is not None:
+        nodes.append(
+            helper.make_node(
+                "Constant",
+                [],
+                ["r"],
+                value=helper.make_tensor("r", onnx.TensorProto.FLOAT, [], [ratio]),
+            )
+        )
+        inputs.append("r")
+    nodes.append(helper.make_node(op, inputs, ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph)
+
+
+def test_a_dropout_with_ratio_zero_is_not_random() -> None:
+    assert verify.random_ops(_model("Dropout", 0.0)) == []
+    assert verify.random_ops(_model("Dropout", 0.1)) == ["Dropout"]
+
+
+def test_ort_fused_dropout_is_random() -> None:
+    assert verify.random_ops(_model("BitmaskDropout", 0.1)) == ["BitmaskDropout"]
+
+
+def test_equal_calls_verify_with_their_differences() -> None:
+    module = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+
+    def eager(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0])
+
+    def graph(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0]) + 1e-9
+
+    result = verify.verify_call(
+        "Linear", module, graph, eager, [x], list(module.parameters()), True
+    )
+    assert result.mismatch is None and 0 < result.output_diff < 1e-6
+
+
+def test_a_wrong_output_is_a_verification_error_and_the_module_is_unchanged() -> None:
+    module = torch.nn.Linear(3, 2)
+    weight = module.weight.detach().clone()
+
+    def eager(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0])
+
+    def graph(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0]) * 2
+
+    with pytest.raises(verify.VerificationError) as caught:
+        verify.verify_call("Linear", module, graph, eager, [torch.randn(4, 3)], [], False)
+    assert caught.value.verification is not None
+    assert "output 0 differs" in (caught.value.verification.mismatch or "")
+    assert torch.equal(module.weight, weight)

@@ -45,7 +45,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # of `-m fast`, so a rename cannot shrink the loop unnoticed.
 FAST_FILES = {
     "tests/test_autocast.py",
+    "tests/test_backends.py",
     "tests/test_backward_hooks.py",
+    "tests/test_bridge.py",
     "tests/test_build_safety.py",
     "tests/test_callkey.py",
     "tests/test_config.py",
@@ -54,14 +56,22 @@ FAST_FILES = {
     "tests/test_errors.py",
     "tests/test_feedback.py",
     "tests/test_graph_passes.py",
+    "tests/test_hazards.py",
+    "tests/test_layout.py",
     "tests/test_objects.py",
+    "tests/test_passes.py",
+    "tests/test_persist.py",
     "tests/test_policy.py",
+    "tests/test_random_ops.py",
     "tests/test_recompute.py",
+    "tests/test_rng.py",
     "tests/test_runtime.py",
+    "tests/test_session.py",
     "tests/test_side_effects.py",
     "tests/test_static_shapes.py",
     "tests/test_symbolics.py",
     "tests/test_tracing.py",
+    "tests/test_verify.py",
     "tests/test_versions.py",
 }
 # "file::test" takes every parametrization, "file::test[id]" one.

@@ -107,11 +107,38 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return groups
 
 
+def layers(edges: dict[str, set[str]], under: str) -> dict[int, list[str]]:
+    """Modules under `under` by layer: each imports only modules of lower layers (within
+    `under`). Only an acyclic graph has layers."""
+    inside = {m: {d for d in deps if d.startswith(under)} for m, deps in edges.items()}
+    depth: dict[str, int] = {}
+
+    def level(m: str) -> int:
+        if m not in depth:
+            depth[m] = 1 + max((level(d) for d in inside.get(m, ())), default=-1)
+        return depth[m]
+
+    found: dict[int, list[str]] = {}
+    for m in sorted(inside):
+        if m.startswith(under):
+            found.setdefault(level(m), []).append(m)
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--under", default=PACKAGE, help="only modules under this prefix")
+    parser.add_argument(
+        "--layers", action="store_true", help="modules by layer (each imports only lower ones)"
+    )
     args = parser.parse_args()
     edges = graph()
+    found = cycles(edges)
+    if args.layers and not found:
+        for k, group in sorted(layers(edges, args.under).items()):
+            names = (m[len(args.under) :].lstrip(".") or "__init__" for m in group)
+            print(f"{k:2d}  {', '.join(names)}")
+        return 0
 
     def short(module: str) -> str:
         return module[len(PACKAGE) + 1 :] or PACKAGE
@@ -119,7 +146,6 @@ def main() -> int:
     for name in sorted(edges):
         if name.startswith(args.under):
             print(f"{short(name)} -> {', '.join(sorted(map(short, edges[name]))) or '-'}")
-    found = cycles(edges)
     for group in found:
         print("cycle:", " <-> ".join(group))
     print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(found)} cycles")

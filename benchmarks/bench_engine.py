@@ -150,7 +150,7 @@ def child(model_name: str, side: str, steps: int) -> dict[str, Any]:
                 "reason": r.reason,
                 "export_s": r.export_seconds,
                 "build_s": r.build_seconds,
-                "training": r.training,
+                "training": r.has_backward,
             }
             for r in engine.records
         ]
@@ -244,7 +244,7 @@ def interleaved(
                 "reason": r.reason,
                 "export_s": r.export_seconds,
                 "build_s": r.build_seconds,
-                "training": r.training,
+                "training": r.has_backward,
             }
             for r in engine.records
         ],

@@ -116,7 +116,8 @@ def test_eval_mode_output_equals_eager() -> None:
     x = torch.randn(5, 8)
     with torch.no_grad():
         assert_close(engine(x), eager(x), "eval output")
-    assert engine.records[-1].training is False, "eval mode under no_grad built a training graph"
+    built = engine.records[-1]
+    assert built.has_backward is False, "eval mode under no_grad built a training graph"
     assert_state_equal(ours, eager)
 
 
@@ -525,7 +526,7 @@ def test_parameter_memory_changed_between_calls_is_read(change) -> None:
     for _ in range(10):  # batch 4 earns its static-shape graph after 8 calls
         _twin_steps(eager, ours, engine, "before")
     _twin_steps(eager, ours, engine, "before", batch=6)
-    assert [r.hot_shape for r in engine.records if r.training] == [False, True]
+    assert [r.hot_shape for r in engine.records if r.has_backward] == [False, True]
     builds = engine.builds
     new = torch.randn(16, 8)
     with torch.no_grad():

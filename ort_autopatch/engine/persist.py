@@ -204,15 +204,15 @@ def recipe_from(stored: StoredEntry, cls: str, backend: type[Backend]) -> Recipe
 def save_onnx(
     folder: Path,
     cls: str,
-    grad: bool,
-    training: bool,
+    has_backward: bool,
+    train_flag: bool,
     key: str,
     forward: bytes,
     others: dict[str, bytes],
 ) -> None:
     """Write the exported forward graph (`{stem}.onnx`) and the backend's others
     (`{stem}.{role}.onnx`) with a name saying class, mode and signature."""
-    mode = "train" if grad else ("eval" if not training else "nograd")
+    mode = "train" if has_backward else ("nograd" if train_flag else "eval")
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', cls)}-{mode}-{key[:12]}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -349,7 +349,12 @@ class Persistence:
                 )
         if self.save_to is not None:
             name = static or digest(repr(call.signature))
-            grad = recipe.has_backward
             save_onnx(
-                self.save_to, self.cls, grad, module.training, name, recipe.forward_model, ran
+                self.save_to,
+                self.cls,
+                recipe.has_backward,
+                module.training,
+                name,
+                recipe.forward_model,
+                ran,
             )

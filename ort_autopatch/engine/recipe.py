@@ -55,7 +55,7 @@ class BuildRecord:
     reason: str
     export_seconds: float
     build_seconds: float
-    training: bool
+    has_backward: bool  # a training graph (not the train/eval flag)
     from_disk: bool = False
     # operators running as torch-calling nodes in the graph built ("aten::cummax": 2)
     torch_nodes: dict[str, int] = field(default_factory=dict)

@@ -31,6 +31,7 @@ A new backend is one module beside `ort_training.py` and one line in `BACKENDS`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -117,9 +118,11 @@ def backend_class(name: str) -> type[Backend]:
     return found
 
 
+@functools.cache
 def choose(name: str | None = None) -> type[Backend]:
     """The backend named, or (None, "auto") the first declared one that is available here,
-    else the first declared (whose build then says what is missing)."""
+    else the first declared (whose build then says what is missing). Decided once per process
+    and name: reading package metadata costs milliseconds, and engines are made per instance."""
     if name not in (None, "auto"):
         return backend_class(name)
     for candidate in BACKENDS:

@@ -10,10 +10,10 @@ the progress warning. A backend supplies the rest, for one module instance at a 
    call, grad, device, shapes) and return a `Recipe` (and the seconds capture took): plain
    data saying how to feed and read the graph (`feed_sources`, `output_spec`,
    `batch_norms`, ...), the exported forward graph and the backend's own `payload` (graphs
-   and facts only this backend reads). How it
-   captures is its business: the training build exports `forward` with the TorchScript
-   exporter and lets ORT's gradient builder differentiate it; a backend may as well trace
-   the module with the example inputs (`miss.call.tensors`) through torch's autograd. Set
+   and facts only this backend reads). How it captures is its business: the training build
+   exports `forward` with the TorchScript exporter and lets ORT's gradient builder
+   differentiate it; a backend may as well trace the module with the example inputs
+   (`miss.module`, `miss.call.tensors`, `miss.call.spec()`) through torch's autograd. Set
    `miss.per_shape` when the graph only fits the call's input shapes (the engine then keys
    every later graph of the module by shape), and raise an `EngineError` subclass (with a
    cause and a remedy) when the call cannot run: the engine falls back to eager.
@@ -26,7 +26,8 @@ the progress warning. A backend supplies the rest, for one module instance at a 
 3. `payload_from(meta, graphs)`: the payload again from what `Payload.meta()` and
    `Payload.graphs()` stored, checking the graphs before any session sees them.
 
-A new backend is one module beside `ort_training.py` and one line in `BACKENDS`.
+A new backend is one module beside `ort_training.py` and one line in `BACKENDS`. The same
+seed, the same run: random operators draw from `rng`'s stream, never from torch's generator.
 """
 
 from __future__ import annotations

@@ -1466,5 +1466,5 @@ def test_attention_fast_paths_in_eval_run_in_the_graph() -> None:
         for step in range(3):
             x = torch.randn(_batch(step), 5 + step, 32, generator=_gen(step))
             torch.testing.assert_close(engine(x), model(x), rtol=RTOL, atol=ATOL)
-    assert len(engine.records) == 1 and not engine.records[0].training
+    assert len(engine.records) == 1 and not engine.records[0].has_backward
     assert torch.backends.mha.get_fastpath_enabled()  # the export's switch put back

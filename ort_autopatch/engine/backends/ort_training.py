@@ -181,7 +181,8 @@ class TrainingBuild(Backend):
 
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
-        _require_training_build()
+        # ORT is imported where it is needed (the gradient build, the sessions): an export the
+        # budget or the hazards refuse never pays for it.
         if miss.grad:
             _refuse_untrainable(self.module_class, miss)
         dynamic = miss.shapes() is None

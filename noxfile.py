@@ -32,8 +32,9 @@ PEFT = "peft==0.21.2"
 
 
 def _install(session: nox.Session, *extra: str) -> None:
+    """The training build's environment (`ort-training`), where most sessions run."""
     session.install(TORCH)
-    session.install("-e", ".[cpu]", *extra)
+    session.install("-e", ".[training-cpu]", *extra)
 
 
 # setuptools: test_processes builds the wheel without build isolation.
@@ -90,6 +91,7 @@ def tests_transformers5(session: nox.Session) -> None:
 PLAIN_TESTS = (
     "tests/test_plain_decompositions.py",
     "tests/test_plain_backend.py",
+    "tests/test_plain_engine.py",
 )
 
 
@@ -97,7 +99,7 @@ PLAIN_TESTS = (
 def tests_plain(session: nox.Session) -> None:
     """The plain backend's tests on the latest onnxruntime (`nox -s tests` runs it)."""
     session.install(TORCH)
-    session.install("-e", ".", "onnxruntime", "onnxscript", "pytest", "pytest-timeout", "numpy")
+    session.install("-e", ".[cpu]", "pytest", "pytest-timeout", "numpy")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *PLAIN_TESTS, *session.posargs)
 
 

@@ -69,7 +69,7 @@ def install(config: Config | None = None) -> bool:
         elif untested is not None:
             opt = BY_NAME["untested_torch"]
             untested += f", or set {opt.env}=1 ({opt.flag}) to try this one"
-        reason = untested or unavailable_reason()
+        reason = untested or unavailable_reason(config.backend)
         if reason is not None:
             # Said once, here, instead of one fallback warning per class later.
             _log.warning(

@@ -534,17 +534,19 @@ def check(config: Config) -> tuple[str, bool]:
             f"{', '.join(inference)} and {', '.join(training)} are both installed and share the "
             f"'onnxruntime' package; the last one installed wins. Uninstall {', '.join(inference)}"
         )
-    reason = runtime.unavailable_reason()
+    reason = runtime.unavailable_reason(config.backend)
+    backend = runtime.resolve(config.backend)
     if reason is not None:
         problems.append(reason)
     else:
+        lines.append(row("backend", f"{backend} (ONNX Runtime {runtime.version(backend)})"))
         try:
             providers = runtime.available_providers()
             lines.append(row("providers", ", ".join(providers)))
         except Exception as exc:
             problems.append(f"ONNX Runtime does not load: {exc}")
     ok = not problems
-    if ok:
+    if ok and backend == "ort-training":
         lines.append(row("ATen executor", _executor_status(config)))
     lines.append(row("accelerate", "yes" if ok else "no"))
     lines.extend(f"  problem: {p}" for p in problems)

@@ -238,8 +238,9 @@ class Choice(Kind):
         self.accepted = ", ".join(self.choices)
 
     def parse(self, text: str, where: str) -> str:
-        word = text.strip().upper()
-        if word not in self.choices:
+        """The choice as declared, whatever the case it was written in."""
+        word = {c.upper(): c for c in self.choices}.get(text.strip().upper())
+        if word is None:
             raise ConfigError(where, text, f"unknown {self.what}", self.accepted)
         return word
 
@@ -306,6 +307,7 @@ def option(default: Any, **declaration: Any) -> Any:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+BACKENDS = ("auto", "ort", "ort-training")
 OPSET_RANGE = range(14, 21)
 
 
@@ -371,6 +373,16 @@ class Config:
         flag="--log-level",
         kind=Choice(LOG_LEVELS, what="log level"),
         help="level of the tool's log records; INFO adds the summary at exit",
+    )
+    backend: str = option(
+        "auto",
+        env="ORT_AUTOPATCH_BACKEND",
+        flag="--backend",
+        kind=Choice(BACKENDS, what="backend"),
+        engine=True,
+        help="which ONNX Runtime trains: 'ort' (the maintained onnxruntime package, graphs from "
+        "torch's autograd), 'ort-training' (onnxruntime-training 1.19.2, Python <= 3.11) or "
+        "'auto' (whichever is installed, the training build first)",
     )
     cache_dir: pathlib.Path | None = option(
         None,

@@ -133,10 +133,16 @@ def versions() -> dict[str, str | None]:
 
     torch_mod = sys.modules.get("torch")
     torch_version = getattr(torch_mod, "__version__", None) or distribution_version("torch")
+    import ort_autopatch
+
+    config = ort_autopatch.installed_config()
+    # the backend this run's graphs use; None when nothing was installed (see "refused")
+    backend = runtime.resolve(config.backend) if config is not None else None
     return {
         "version": __version__,
         "torch": None if torch_version is None else str(torch_version),
-        "onnxruntime": runtime.version(),
+        "onnxruntime": runtime.version(backend),
+        "backend": backend,
     }
 
 

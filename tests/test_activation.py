@@ -229,7 +229,7 @@ def test_a_python_without_a_training_build_says_why_once_and_runs_eagerly(
         textwrap.dedent(
             """
             import ort_autopatch.engine.runtime as runtime
-            runtime.unavailable_reason = lambda: "no ONNX Runtime training build is installed"
+            runtime.unavailable_reason = lambda b: "no ONNX Runtime training build is installed"
             import torch, ort_autopatch
             print(ort_autopatch.install())
             import mymodels

@@ -523,6 +523,7 @@ def test_to_env_round_trips_a_full_config(empty_dir: pathlib.Path) -> None:
         fallback=Fallback.FALLBACK_DISABLE | Fallback.FALLBACK_UNSUPPORTED_DATA,
         report="r{rank}.json",
         log_level="DEBUG",
+        backend="ort",
         cache_dir=pathlib.Path("/c"),
         save_onnx=pathlib.Path("out"),
         opset=19,
@@ -576,6 +577,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         fallback=Fallback.FALLBACK_DISABLE,
         report="r.json",
         log_level="DEBUG",
+        backend="ort-training",
         cache_dir=pathlib.Path("/c"),
         save_onnx=pathlib.Path("/s"),
         opset=15,
@@ -629,3 +631,10 @@ def test_an_operator_outside_aten_is_refused_with_what_is_accepted(
 ) -> None:
     with pytest.raises(ConfigError, match=r"ORT_AUTOPATCH_NO_TORCH_OPS.*not an ATen operator"):
         load_config(environ={"ORT_AUTOPATCH_NO_TORCH_OPS": "prim::PythonOp"}, cwd=empty_dir)
+
+
+def test_the_backend_option_takes_its_names_in_any_case() -> None:
+    assert load_config(environ={"ORT_AUTOPATCH_BACKEND": "ORT"}).backend == "ort"
+    assert load_config(cli={"backend": "ort-training"}).backend == "ort-training"
+    with pytest.raises(ConfigError, match="ORT_AUTOPATCH_BACKEND"):
+        load_config(environ={"ORT_AUTOPATCH_BACKEND": "cuda"})

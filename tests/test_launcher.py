@@ -290,15 +290,23 @@ def test_check_reports_a_working_setup() -> None:
     assert f"Python        {sys.version.split()[0]}" in out
 
 
-def test_check_names_an_inference_build_as_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_names_an_inference_build_as_the_problem_of_the_training_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from ort_autopatch.engine import runtime
 
     monkeypatch.setattr(runtime, "installed_distributions", lambda: {"onnxruntime": "1.20.1"})
-    text, ok = cli.check(load_config(environ={}))
+    text, ok = cli.check(load_config(environ={"ORT_AUTOPATCH_BACKEND": "ort-training"}))
     assert not ok
     assert "onnxruntime 1.20.1 (inference-only build)" in text
     assert "problem: onnxruntime==1.20.1 is an inference-only build" in text
     assert "accelerate    no" in text
+
+
+def test_check_says_which_backend_and_onnx_runtime_run() -> None:
+    text, ok = cli.check(load_config(environ={}))
+    assert ok
+    assert "backend       ort-training (ONNX Runtime 1.19.2)" in text
 
 
 def test_check_names_two_conflicting_builds(monkeypatch: pytest.MonkeyPatch) -> None:

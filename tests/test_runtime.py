@@ -61,20 +61,73 @@ def test_loading_does_not_leave_onnxruntime_training_blocked() -> None:
 
 def test_training_build_is_reported_available() -> None:
     assert runtime.unavailable_reason() is None
-    assert runtime.version() == "1.19.2"
+    assert runtime.unavailable_reason("ort-training") is None
+    assert runtime.version("ort-training") == "1.19.2"
 
 
-def test_inference_only_build_is_named_as_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtime, "installed_distributions", lambda: {"onnxruntime": "1.20.0"})
+def _installed(monkeypatch: pytest.MonkeyPatch, found: dict[str, str], onnxscript: bool) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(runtime, "installed_distributions", lambda: dict(found))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if onnxscript else None) if name == "onnxscript" else real(name),
+    )
+
+
+def test_auto_prefers_the_training_build_when_it_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _installed(monkeypatch, {"onnxruntime-training-cpu": "1.19.2"}, onnxscript=True)
+    assert runtime.resolve("auto") == "ort-training"
+
+
+def test_auto_takes_the_plain_backend_with_the_maintained_onnxruntime(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _installed(monkeypatch, {"onnxruntime": "1.32.0"}, onnxscript=True)
+    assert runtime.unavailable_reason("auto") is None
+    assert runtime.resolve("auto") == "ort"
+    assert runtime.version("ort") == "1.32.0"
+
+
+def test_insisting_on_the_training_build_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    _installed(monkeypatch, {"onnxruntime": "1.20.0"}, onnxscript=True)
     monkeypatch.setattr(runtime.sys, "version_info", _Version(3, 11))
-    reason = runtime.unavailable_reason()
+    reason = runtime.unavailable_reason("ort-training")
     assert reason is not None
     assert "onnxruntime==1.20.0 is an inference-only build" in reason
+    assert "ort-autopatch[training-cpu]" in reason
+
+
+def test_insisting_on_the_plain_backend_beside_the_training_build_says_what_to_remove(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _installed(monkeypatch, {"onnxruntime-training-cpu": "1.19.2"}, onnxscript=True)
+    reason = runtime.unavailable_reason("ort")
+    assert reason is not None
+    assert "onnxruntime-training-cpu==1.19.2 is installed" in reason
     assert "ort-autopatch[cpu]" in reason
+
+
+@pytest.mark.parametrize(
+    ("found", "onnxscript", "named"),
+    [({}, True, "no ONNX Runtime is installed"), ({"onnxruntime": "1.32.0"}, False, "onnxscript")],
+)
+def test_the_plain_backend_names_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, found: dict[str, str], onnxscript: bool, named: str
+) -> None:
+    _installed(monkeypatch, found, onnxscript)
+    for backend in ("ort", "auto"):
+        reason = runtime.unavailable_reason(backend)
+        assert reason is not None and named in reason and "ort-autopatch[cpu]" in reason
+    assert runtime.resolve("auto") is None
 
 
 def test_python_without_training_wheels_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "installed_distributions", lambda: {})
     monkeypatch.setattr(runtime.sys, "version_info", _Version(3, 12))
-    reason = runtime.unavailable_reason()
-    assert reason is not None and "Python 3.12" in reason and "<= 3.11" in reason
+    reason = runtime.unavailable_reason("ort-training")
+    assert reason is not None and "Python 3.12" in reason and "--backend ort" in reason

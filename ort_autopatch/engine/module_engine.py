@@ -97,7 +97,7 @@ class ModuleEngine:
         self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
         self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
         self.settings = session.SessionSettings(self.options.threads)
-        backend = backends.choose()
+        backend = backends.choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
         self._builder = Builder(
             self._cls,

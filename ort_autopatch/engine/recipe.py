@@ -24,6 +24,7 @@ from ort_autopatch.engine.state import ModuleState
 class EngineOptions:
     """Plain settings; the engine never reads configuration files or the environment."""
 
+    backend: str = "auto"  # "ort", "ort-training", or "auto": whichever is installed
     opset: int = 17
     threads: int | None = None  # None: follow torch.get_num_threads()
     cache_size: int = 8

@@ -1,4 +1,4 @@
-"""Loading ONNX Runtime, lazily and cheaply, and saying which build is installed.
+"""Loading ONNX Runtime, lazily and cheaply, and which backend an installation allows.
 
 `import onnxruntime` runs a package validation that tries to import ORTModule; on torch >= 2.6 that
 import fails after ~0.4 s and, where it succeeds, replaces `torch.manual_seed` and
@@ -38,27 +38,74 @@ def installed_distributions() -> dict[str, str]:
     return found
 
 
-def unavailable_reason() -> str | None:
-    """Why this interpreter cannot accelerate, or None when a training build is installed."""
+#: The backends' names (`engine.backends`), in the order "auto" prefers them.
+BACKENDS = ("ort-training", "ort")
+
+
+def resolve(backend: str = "auto") -> str | None:
+    """The backend a run uses: the one named, or for "auto" the training build when it is
+    installed, else the plain backend when it can run; None when none can."""
+    if backend != "auto":
+        return backend
+    return next((name for name in BACKENDS if unavailable_reason(name) is None), None)
+
+
+def unavailable_reason(backend: str = "auto") -> str | None:
+    """Why this interpreter cannot accelerate with `backend` ("auto": with either), naming
+    the package to install; None when it can. Reads package metadata only."""
     found = installed_distributions()
+    if backend == "ort-training":
+        return _training_reason(found)
+    if backend == "ort":
+        return _plain_reason(found)
+    if _training_reason(found) is None:
+        return None
+    return _plain_reason(found)
+
+
+def _training_reason(found: dict[str, str]) -> str | None:
     if any(name in found for name in TRAINING_DISTRIBUTIONS):
         return None
     if sys.version_info >= (3, 12):
         return (
             f"onnxruntime-training has no wheels for Python {sys.version_info.major}."
             f"{sys.version_info.minor} (its last release, 1.19.2, stops at 3.11); "
-            "use Python <= 3.11 to accelerate"
+            "use the plain backend (--backend ort, ort-autopatch[cpu]) or Python <= 3.11"
         )
     if found:
         names = ", ".join(f"{k}=={v}" for k, v in found.items())
         return (
-            f"{names} is an inference-only build; install ort-autopatch[cpu] "
-            "(onnxruntime-training-cpu) or ort-autopatch[gpu] (onnxruntime-training) instead"
+            f"{names} is an inference-only build; the training build needs "
+            "ort-autopatch[training-cpu] (onnxruntime-training-cpu) or "
+            "ort-autopatch[training-gpu] (onnxruntime-training) instead"
         )
     return (
-        "no ONNX Runtime training build is installed; install ort-autopatch[cpu] or "
-        "ort-autopatch[gpu]"
+        "no ONNX Runtime training build is installed; install ort-autopatch[training-cpu] or "
+        "ort-autopatch[training-gpu]"
     )
+
+
+def _plain_reason(found: dict[str, str]) -> str | None:
+    import importlib.util
+
+    training = [name for name in found if name in TRAINING_DISTRIBUTIONS]
+    if training:
+        return (
+            f"{training[0]}=={found[training[0]]} is installed, whose 'onnxruntime' package "
+            "replaces the maintained one; uninstall it and install ort-autopatch[cpu] "
+            "(onnxruntime) or ort-autopatch[gpu] (onnxruntime-gpu)"
+        )
+    if not found:
+        return (
+            "no ONNX Runtime is installed; install ort-autopatch[cpu] (onnxruntime) or "
+            "ort-autopatch[gpu] (onnxruntime-gpu)"
+        )
+    if importlib.util.find_spec("onnxscript") is None:
+        return (
+            "the plain backend needs onnxscript beside onnxruntime; install ort-autopatch[cpu] "
+            "or ort-autopatch[gpu]"
+        )
+    return None
 
 
 def load(training: bool = True) -> tuple[ModuleType, ModuleType]:
@@ -72,7 +119,7 @@ def load(training: bool = True) -> tuple[ModuleType, ModuleType]:
             if _capi is None or _ort is None:
                 _ort, _capi = _import()
     if training and not hasattr(_capi, "OrtModuleGraphBuilder"):
-        reason = unavailable_reason() or "the installed onnxruntime has no training support"
+        reason = unavailable_reason("ort-training") or "this onnxruntime has no training support"
         raise RuntimeUnavailableError("", reason, "Install a training build")
     return _ort, _capi
 
@@ -97,14 +144,19 @@ def _import() -> tuple[ModuleType, ModuleType]:
     return onnxruntime, capi
 
 
-def version() -> str | None:
-    """ONNX Runtime's version without importing it (a training build's first)."""
+def version(backend: str | None = None) -> str | None:
+    """ONNX Runtime's version without importing it: the distribution `backend` runs on, or
+    any (a training build's first)."""
     found = installed_distributions()  # training builds first
+    if backend == "ort-training":
+        found = {k: v for k, v in found.items() if k in TRAINING_DISTRIBUTIONS}
+    elif backend == "ort":
+        found = {k: v for k, v in found.items() if k in INFERENCE_DISTRIBUTIONS}
     return next(iter(found.values()), None)
 
 
 def available_providers() -> list[str]:
-    ort, _ = load()
+    ort, _ = load(training=False)
     providers: list[str] = ort.get_available_providers()
     return providers
 

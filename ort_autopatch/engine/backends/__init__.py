@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 #: name -> "module:class", in the order `choose(None)` tries them (the first available wins).
 BACKENDS: dict[str, str] = {
     "ort-training": "ort_autopatch.engine.backends.ort_training:TrainingBuild",
+    "ort": "ort_autopatch.engine.backends.ort:PlainBuild",
 }
 
 #: what gets exported or traced: `forward(module, *args, **kwargs)`

@@ -147,7 +147,7 @@ class TrainingBuild(Backend):
 
     @staticmethod
     def unavailable() -> str | None:
-        return runtime.unavailable_reason()
+        return runtime.unavailable_reason("ort-training")
 
     def refuse(self, call: FlatCall) -> None:
         """ORT 1.19.2's gradient kernels reject zero-size dimensions (GemmGrad: K > 0), so a
@@ -181,8 +181,7 @@ class TrainingBuild(Backend):
 
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
-        # ORT is imported where it is needed (the gradient build, the sessions): an export the
-        # budget or the hazards refuse never pays for it.
+        _require_training_build()
         if miss.grad:
             _refuse_untrainable(self.module_class, miss)
         dynamic = miss.shapes() is None

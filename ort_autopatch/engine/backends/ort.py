@@ -1,0 +1,169 @@
+"""The plain backend (`onnxruntime`, the maintained inference-only package): forward and
+backward graphs from torch's autograd, each run in an InferenceSession.
+
+A build traces the call's joint forward + backward with aot_autograd and the backend's
+decomposition table, partitions it, and lowers both graphs to ONNX (`engine/plain/`); the
+graphs are traced for the call's input shapes, so every graph serves one input shape. Before a
+graph's numbers are trusted, its first call (the call that built it) also runs eagerly and the
+two are compared (`plain.check`): a mismatch is a `VerificationError`, and that key's calls run
+in PyTorch with the reason. Buffer updates (BatchNorm's statistics) and dropout's seeds are
+the program's own business (`plain.program`), so the engine's `Step` carries neither.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ort_autopatch.engine import bridge, export, runtime, session
+from ort_autopatch.engine.backends import Backend, Progress
+from ort_autopatch.engine.errors import RuntimeUnavailableError, UnsupportedModelError
+from ort_autopatch.engine.recipe import Miss, Recipe
+
+
+@dataclass
+class PlainPayload:
+    """The plain backend's part of a recipe: both graphs and the maps between them."""
+
+    lowered: Any  # plain.program.Lowered
+
+    def graphs(self) -> dict[str, bytes]:
+        graphs: dict[str, bytes] = self.lowered.graphs()
+        return graphs
+
+    def meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = self.lowered.meta()
+        return meta
+
+
+class _Program:
+    """What an entry runs: the plain program over its feeds."""
+
+    def __init__(self, program: Any, feed_names: Sequence[str]) -> None:
+        self.program = program
+        self.feed_names = feed_names
+        self.torch_nodes: dict[str, int] = {}
+        self.saved_graphs: dict[str, bytes] = program.lowered.graphs()
+
+    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
+        outputs: Sequence[torch.Tensor] = self.program.run(feeds)
+        return outputs
+
+
+class PlainBuild(Backend):
+    """Graphs from torch's autograd, run by the inference-only `onnxruntime`."""
+
+    name: ClassVar[str] = "ort"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return runtime.unavailable_reason("ort")
+
+    @staticmethod
+    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> PlainPayload:
+        import onnx
+
+        from ort_autopatch.engine.plain import program
+
+        for model in graphs.values():
+            onnx.checker.check_model(onnx.load_from_string(model))
+        return PlainPayload(program.Lowered.from_stored(meta, graphs))
+
+    def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
+        from ort_autopatch.engine.plain import capture, decompositions, program
+
+        reason = runtime.unavailable_reason("ort")
+        if reason is not None:
+            raise RuntimeUnavailableError(self.module_class, reason, "Run the model eagerly")
+        runtime.load(training=False)
+        start = time.perf_counter()
+        miss.per_shape = True  # traced for these shapes: never reused for others
+        cls = self.module_class
+        call = miss.call
+        progress.phase = "tracing forward and backward"
+        captured = capture.capture(
+            miss.module, self.forward, call.spec(), call.tensors, cls, decompositions.table()
+        )
+        progress.phase = "lowering to ONNX"
+        lowered = program.lower(captured, cls)
+        names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
+        sources: dict[str, tuple[str, Any]] = {}
+        for name, feed in zip(names, captured.feeds, strict=True):
+            if feed.kind == "input":
+                sources[name] = ("input", int(feed.where))
+            elif feed.where in miss.state.index:
+                sources[name] = ("state", str(feed.where))
+            else:
+                raise UnsupportedModelError(
+                    cls,
+                    f"the graph reads {feed.where!r}, which is not among the module's tensors",
+                    "Report the model; run it eagerly meanwhile",
+                )
+        recipe = Recipe(
+            backend=self.name,
+            has_backward=captured.backward is not None,
+            forward_model=lowered.forward,
+            payload=PlainPayload(lowered),
+            feed_sources=sources,
+            num_user_outputs=captured.num_user_outputs,
+            output_spec=captured.output_spec,
+            batch_norms=[],
+            seeds_dropout=False,
+            traced_shapes=call.shapes(),
+        )
+        return recipe, time.perf_counter() - start
+
+    def instantiate(
+        self,
+        recipe: Recipe,
+        miss: Miss,
+        step: bridge.Step,
+        settings: session.SessionSettings,
+        progress: Progress,
+    ) -> _Program:
+        from ort_autopatch.engine.plain import program
+
+        payload = recipe.payload
+        assert isinstance(payload, PlainPayload), f"a {recipe.backend} recipe"
+        built = program.instantiate(payload.lowered, self.module_class, miss.device, settings)
+        runnable = _Program(built, list(recipe.feed_sources))
+        progress.phase = "checking the first call against eager"
+        self._check(recipe, runnable, miss)
+        return runnable
+
+    def _check(self, recipe: Recipe, runnable: _Program, miss: Miss) -> None:
+        """The call that built the graph, through the graph and eagerly (`plain.check`)."""
+        from ort_autopatch.engine.plain import check
+
+        module, call = miss.module, miss.call
+        spec = call.spec()
+        state = miss.state
+        forward = self.forward
+
+        def feeds_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [
+                tensors[int(where)] if kind == "input" else state.tensors[state.index[where]]
+                for kind, where in recipe.feed_sources.values()
+            ]
+
+        def run_graph(tensors: list[torch.Tensor]) -> Any:
+            return recipe.output_spec.rebuild(runnable.run(feeds_of(tensors), False))
+
+        def run_eager(tensors: list[torch.Tensor]) -> Any:
+            args, kwargs = spec.rebuild(tensors)
+            with export.stepping_aside():
+                return forward(module, *args, **kwargs)
+
+        self.last_check = check.first_call(
+            self.module_class,
+            module,
+            runnable.program,
+            run_graph,
+            run_eager,
+            call.tensors,
+            miss.grad,
+        )

@@ -1,0 +1,89 @@
+"""The plain backend through the engine: the cache, per-shape graphs, the first-call check and
+the backend's choice, call by call against eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine import ModuleEngine
+from ort_autopatch.engine.errors import EngineError
+from ort_autopatch.engine.recipe import EngineOptions
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, ran_in_plain_ort
+
+pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+
+PLAIN = EngineOptions(backend="ort", threads=1)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_training_through_the_engine_gives_eagers_numbers_call_by_call() -> None:
+    model, eager = _net(), _net()
+    engine = ModuleEngine(model, PLAIN)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(5, 6)
+        out, expected = engine(x), eager(x)
+        assert ran_in_plain_ort(out), f"step {step} ran elsewhere"
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        out.pow(2).mean().backward()
+        expected.pow(2).mean().backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        for a, b in zip(model.buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        optimizer.step()
+        eager_optimizer.step()
+    assert engine.builds == 1
+
+
+def test_a_graph_serves_only_the_input_shape_it_was_traced_for() -> None:
+    model, eager = _net(), _net()
+    engine = ModuleEngine(model, PLAIN)
+    for batch in (5, 7, 5):
+        x = torch.randn(batch, 6)
+        torch.testing.assert_close(engine(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert engine.builds == 2  # one graph per batch size, the first one reused
+
+
+def test_eval_calls_run_forward_alone_in_ort() -> None:
+    model, eager = _net().eval(), _net().eval()
+    engine = ModuleEngine(model, PLAIN)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), eager(x))
+    assert engine.builds == 1
+
+
+def test_a_graph_that_differs_from_eager_at_its_first_call_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ort_autopatch.engine import verify
+    from ort_autopatch.engine.plain import decompositions
+
+    dropped = torch.ops.aten._native_batch_norm_legit_functional.default
+    table = {k: v for k, v in decompositions.table().items() if k is not dropped}
+    monkeypatch.setattr(decompositions, "table", lambda: table)
+    model = _net()
+    before = copy.deepcopy(model.state_dict())
+    engine = ModuleEngine(model, PLAIN)
+    with pytest.raises(verify.VerificationError, match="differs"):
+        engine(torch.randn(5, 6))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed by the refused call"
+
+
+def test_insisting_on_a_backend_that_is_not_installed_names_its_package() -> None:
+    engine = ModuleEngine(_net(), EngineOptions(backend="ort-training"))
+    with pytest.raises(EngineError, match="ort-autopatch\\[training-cpu\\]"):
+        engine(torch.randn(3, 6))

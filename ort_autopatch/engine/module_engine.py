@@ -19,8 +19,6 @@ from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
     backends,
     budget,
-    export,
-    graph,
     hazards,
     persist,
     session,
@@ -367,29 +365,8 @@ class ModuleEngine:
     ) -> None:
         """Run this call also through the graph and eagerly and compare (`--verify`); a
         mismatch remembers this key as failed, so its calls run in PyTorch."""
-        random = verify.random_ops(graph.load(entry.recipe.forward_model))
-        if random:
-            self.verifications.append(
-                verify.Verification(unverified=f"random operators ({', '.join(random)})")
-            )
-            return
-        spec = call.spec()
-        forward = self._forward
-
-        def run_graph(tensors: list[torch.Tensor]) -> Any:
-            copy = signature.FlatCall(tensors, call.signature, spec, call.args, call.kwargs)
-            return entry.run(state, copy)
-
-        def run_eager(tensors: list[torch.Tensor]) -> Any:
-            args, kwargs = spec.rebuild(tensors)
-            with export.stepping_aside():  # selected submodules run their eager code too
-                return forward(module, *args, **kwargs)
-
-        trainable = [p for p in state.params if p.requires_grad] if grad else []
         try:
-            result = verify.verify_call(
-                self._cls, module, run_graph, run_eager, call.tensors, trainable, grad
-            )
+            result = verify.verify_entry(self._cls, module, entry, state, call, grad, self._forward)
         except verify.VerificationError as exc:
             if exc.verification is not None:
                 self.verifications.append(exc.verification)

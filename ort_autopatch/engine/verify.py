@@ -19,13 +19,18 @@ import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ort_autopatch.engine import trees
 from ort_autopatch.engine.errors import EngineError, FailureKind
 from ort_autopatch.engine.random_ops import ONNX as RANDOM_ONNX_OPS
+
+if TYPE_CHECKING:
+    from ort_autopatch.engine.entry import Entry
+    from ort_autopatch.engine.signature import FlatCall
+    from ort_autopatch.engine.state import ModuleState
 
 #: A difference is a mismatch beyond max|expected| * RTOL + ATOL, per tensor.
 RTOL = 1e-4
@@ -216,3 +221,34 @@ def verify_call(
         error.verification = result
         raise error
     return result
+
+
+def verify_entry(
+    cls: str,
+    module: torch.nn.Module,
+    entry: Entry,
+    state: ModuleState,
+    call: FlatCall,
+    grad: bool,
+    forward: Callable[..., Any],
+) -> Verification:
+    """`verify_call` for one call of a cached graph (`forward(module, *args, **kwargs)` is the
+    eager side); a graph with random operators is reported as not verified."""
+    from ort_autopatch.engine import export, graph, signature
+
+    random = random_ops(graph.load(entry.recipe.forward_model))
+    if random:
+        return Verification(unverified=f"random operators ({', '.join(random)})")
+    spec = call.spec()
+
+    def run_graph(tensors: list[torch.Tensor]) -> Any:
+        copy = signature.FlatCall(tensors, call.signature, spec, call.args, call.kwargs)
+        return entry.run(state, copy)
+
+    def run_eager(tensors: list[torch.Tensor]) -> Any:
+        args, kwargs = spec.rebuild(tensors)
+        with export.stepping_aside():  # selected submodules run their eager code too
+            return forward(module, *args, **kwargs)
+
+    trainable = [p for p in state.params if p.requires_grad] if grad else []
+    return verify_call(cls, module, run_graph, run_eager, call.tensors, trainable, grad)

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ort_autopatch import report
 from ort_autopatch.config import BY_NAME, Config, load_config
 from ort_autopatch.errors import ConfigError, NotPatchableError, OrtAutopatchError
 from ort_autopatch.versions import __version__ as __version__
@@ -90,6 +91,7 @@ def install(config: Config | None = None) -> bool:
         hook.install()
         _hook = hook
         _active_config = config
+        report.installed_backend(config.backend)
         return True
 
 
@@ -107,6 +109,7 @@ def uninstall() -> None:
             _hook.uninstall()
             _hook = None
             _active_config = None
+            report.installed_backend(None)
     import sys
 
     patcher = sys.modules.get("ort_autopatch.patcher")

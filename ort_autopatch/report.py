@@ -124,6 +124,16 @@ def distribution_version(*names: str) -> str | None:
     return None
 
 
+#: the `backend` option of the installed configuration (`install` says it; None: nothing is
+#: installed). Told rather than asked for, so this module never imports the package root.
+_installed_backend: str | None = None
+
+
+def installed_backend(name: str | None) -> None:
+    global _installed_backend
+    _installed_backend = name
+
+
 def versions() -> dict[str, str | None]:
     """The tool's, torch's and ONNX Runtime's versions, without importing either library."""
     import sys
@@ -133,11 +143,9 @@ def versions() -> dict[str, str | None]:
 
     torch_mod = sys.modules.get("torch")
     torch_version = getattr(torch_mod, "__version__", None) or distribution_version("torch")
-    import ort_autopatch
-
-    config = ort_autopatch.installed_config()
     # the backend this run's graphs use; None when nothing was installed (see "refused")
-    backend = runtime.resolve(config.backend) if config is not None else None
+    chosen = _installed_backend
+    backend = runtime.resolve(chosen) if chosen is not None else None
     return {
         "version": __version__,
         "torch": None if torch_version is None else str(torch_version),

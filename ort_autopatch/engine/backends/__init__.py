@@ -28,8 +28,8 @@ the progress warning. A backend supplies the rest, for one module instance at a 
 
 A new backend is one module beside `ort_training.py` and one line in `BACKENDS`. The same
 seed, the same run: random operators draw from `rng`'s stream, never from torch's generator.
-Which backend an engine uses is `choose(name)`'s answer; `ModuleEngine` asks `choose()` (the
-first available) until an option names one. Its recipes are stored under keys that name it.
+Which backend an engine uses is `choose(EngineOptions.backend)`'s answer ("auto": the first
+available in `BACKENDS`); its recipes are stored under keys that name it.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from ort_autopatch.engine import rng, runtime, sandbox
 from ort_autopatch.engine.errors import (
     GradientBuildError,
+    RuntimeUnavailableError,
     SessionError,
     UnsupportedDeviceError,
     UnsupportedInputError,
@@ -312,6 +314,7 @@ def build_gradient(
     extra_outputs: Sequence[str],
     cls: str,
     propagate_casts: bool = True,
+    meanwhile: Callable[[], None] | None = None,
 ) -> GradientGraph:
     """Differentiate the exported graph with ORT's OrtModuleGraphBuilder.
 
@@ -319,10 +322,11 @@ def build_gradient(
     outputs but kept out of differentiation (the gradient passes, `passes.GRADIENT`, hand them
     out of the gradient graph). `propagate_casts` lets ORT move and merge Casts (ORTModule's
     default); a graph traced under autocast keeps its casts as traced.
+    `meanwhile()` runs in this process while the forked child builds (`sandbox.run`): so does
+    this process's first import of ONNX Runtime, which the child makes for itself.
     """
     import onnx
 
-    _, capi = runtime.load()
     model = onnx.load_from_string(model_bytes)
     _refuse_dtypes(model, cls)
     if extra_outputs:
@@ -330,27 +334,19 @@ def build_gradient(
         del model.graph.output[:]
         model.graph.output.extend(kept)
         model_bytes = model.SerializeToString()
-    config = capi.OrtModuleGraphBuilderConfiguration()
-    config.initializer_names = [n for n in feed_names if n not in set(user_inputs)]
-    config.initializer_names_to_train = [n for n in trainable if n not in set(user_inputs)]
-    config.input_names_require_grad = list(inputs_requiring_grad)
-    config.build_gradient_graph = True
-    config.enable_caching = False
-    config.use_memory_efficient_gradient = False
-    config.loglevel = capi.Severity.FATAL
-    transformer = capi.TrainingGraphTransformerConfiguration()
-    cast = capi.PropagateCastOpsConfiguration()
-    cast.level = 1
-    cast.strategy = capi.PropagateCastOpsStrategy.FLOOD_FILL
-    if propagate_casts:
-        transformer.propagate_cast_ops_config = cast
-    transformer.enable_compute_optimizer = True
 
-    def build() -> tuple[bytes, _GraphInfo]:
-        builder = capi.OrtModuleGraphBuilder()
-        builder.initialize(model_bytes, config)
-        builder.build(transformer)
-        return builder.get_gradient_model(), _GraphInfo.of(builder.get_graph_info())
+    build = _Differentiation(
+        model_bytes,
+        [n for n in feed_names if n not in set(user_inputs)],
+        [n for n in trainable if n not in set(user_inputs)],
+        list(inputs_requiring_grad),
+        propagate_casts,
+    )
+
+    def parent_side() -> None:
+        runtime.load()  # raises RuntimeUnavailableError with its reason before the child's
+        if meanwhile is not None:
+            meanwhile()
 
     remedy = (
         "An operator has no gradient in ONNX Runtime 1.19.2; run this class eagerly "
@@ -359,7 +355,10 @@ def build_gradient(
     try:
         # In a forked child: ORT's gradient builder aborts the process on some graphs
         # (`torch.diagonal`'s export: a failed libstdc++ assertion), which no fallback catches.
-        gradient_model, info = sandbox.run(build)
+        child, _ahead.child = getattr(_ahead, "child", None), None
+        gradient_model, info = sandbox.run(build, meanwhile=parent_side, child=child)
+    except RuntimeUnavailableError:
+        raise
     except sandbox.Crashed as exc:
         raise GradientBuildError(
             cls,
@@ -383,6 +382,65 @@ def build_gradient(
         full_shape_grads=list(info.output_grad_indices_require_full_shape),
         grad_of=grad_of,
     )
+
+
+@dataclass(frozen=True)
+class _Differentiation:
+    """One call of ORT's gradient builder, as plain data: it crosses a pipe to a prestarted
+    child (`gradient_builder_ahead`)."""
+
+    model_bytes: bytes
+    initializer_names: list[str]
+    initializer_names_to_train: list[str]
+    input_names_require_grad: list[str]
+    propagate_casts: bool
+
+    def __call__(self) -> tuple[bytes, _GraphInfo]:
+        _, capi = runtime.load()
+        config = capi.OrtModuleGraphBuilderConfiguration()
+        config.initializer_names = self.initializer_names
+        config.initializer_names_to_train = self.initializer_names_to_train
+        config.input_names_require_grad = self.input_names_require_grad
+        config.build_gradient_graph = True
+        config.enable_caching = False
+        config.use_memory_efficient_gradient = False
+        config.loglevel = capi.Severity.FATAL
+        transformer = capi.TrainingGraphTransformerConfiguration()
+        cast = capi.PropagateCastOpsConfiguration()
+        cast.level = 1
+        cast.strategy = capi.PropagateCastOpsStrategy.FLOOD_FILL
+        if self.propagate_casts:
+            transformer.propagate_cast_ops_config = cast
+        transformer.enable_compute_optimizer = True
+        builder = capi.OrtModuleGraphBuilder()
+        builder.initialize(self.model_bytes, config)
+        builder.build(transformer)
+        return builder.get_gradient_model(), _GraphInfo.of(builder.get_graph_info())
+
+
+_ahead = threading.local()  # .child: this thread's prestarted gradient-build child, if any
+
+
+def _import_runtime() -> None:
+    runtime.load()
+
+
+@contextlib.contextmanager
+def gradient_builder_ahead(wanted: bool) -> Iterator[bool]:
+    """Fork the child of this thread's next gradient build now, when this process has not
+    imported ONNX Runtime yet: the child's import (~40 ms) then overlaps the export instead of
+    following it, which is most of a fresh process's first call. Killed if no build used it.
+    Yields whether a child was forked."""
+    child = None
+    if wanted and "onnxruntime" not in sys.modules and getattr(_ahead, "child", None) is None:
+        child = _ahead.child = sandbox.prestart(_import_runtime)
+    try:
+        yield child is not None
+    finally:
+        if child is not None:
+            if getattr(_ahead, "child", None) is child:
+                _ahead.child = None
+            child.cancel()
 
 
 @dataclass

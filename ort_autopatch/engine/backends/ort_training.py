@@ -181,9 +181,17 @@ class TrainingBuild(Backend):
 
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
-        _require_training_build()
         if miss.grad:
             _refuse_untrainable(self.module_class, miss)
+        # A fresh process's first gradient-build child is forked now and imports ORT while the
+        # export runs; this process imports it (and so checks for the training build) while
+        # that child builds.
+        with session.gradient_builder_ahead(miss.grad) as ahead:
+            if not ahead:
+                _require_training_build()
+            return self._build(miss, progress)
+
+    def _build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
         dynamic = miss.shapes() is None
         try:
             exported = self._export(miss, dynamic=dynamic)
@@ -354,6 +362,8 @@ class TrainingBuild(Backend):
                 and state.is_param[state.index[where]]
                 and state.tensors[state.index[where]].requires_grad
             ]
+            from ort_autopatch.engine.torch_in_graph import gradients
+
             extra = [n for s in stats for n in (s.mean_output, s.var_output)]
             built = session.build_gradient(
                 model_bytes,
@@ -365,6 +375,7 @@ class TrainingBuild(Backend):
                 cls=self.module_class,
                 # ORT's cast propagation would undo autocast's casts (float32 out again)
                 propagate_casts=miss.autocast is None,
+                meanwhile=gradients.warm_up if miss.device.type == "cpu" else None,
             )
             done = passes.apply_gradient(graph.load(built.model), extra, built.num_forward_outputs)
             gradient = dataclasses.replace(

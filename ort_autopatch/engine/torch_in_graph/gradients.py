@@ -176,6 +176,22 @@ class _Constants:
         return name
 
 
+def warm_up() -> None:
+    """Pay onnx's first shape inference (~15 ms: its operator schemas load on first use) ahead
+    of `gradients_in_torch`, where it costs no time: while a forked child builds the gradient
+    graph (`session.build_gradient`'s `meanwhile`)."""
+    from onnx import TensorProto, helper, shape_inference
+
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "warm_up",
+        [value("x", TensorProto.FLOAT, [1])],
+        [value("y", TensorProto.FLOAT, [1])],
+    )
+    shape_inference.infer_shapes(helper.make_model(graph))
+
+
 def gradients_in_torch(
     gradient_model: bytes,
     input_shapes: dict[str, tuple[int, ...]],

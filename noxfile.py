@@ -87,11 +87,13 @@ def tests_transformers5(session: nox.Session) -> None:
 
 # The plain backend's tests (inference-only onnxruntime, graphs from torch's autograd), in an
 # environment with the maintained onnxruntime and no training build: the two packages cannot
-# share one. The rest of the suite runs on the training build in `tests`.
+# share one. The parity suite runs here too, on the plain backend (about a minute); the rest of
+# the suite runs on the training build in `tests`.
 PLAIN_TESTS = (
     "tests/test_plain_decompositions.py",
     "tests/test_plain_backend.py",
     "tests/test_plain_engine.py",
+    "tests/test_engine_parity.py",
 )
 
 
@@ -99,7 +101,7 @@ PLAIN_TESTS = (
 def tests_plain(session: nox.Session) -> None:
     """The plain backend's tests on the latest onnxruntime (`nox -s tests` runs it)."""
     session.install(TORCH)
-    session.install("-e", ".[cpu]", "pytest", "pytest-timeout", "numpy")
+    session.install("-e", ".[cpu]", "pytest", "pytest-timeout", "numpy", TRANSFORMERS, ACCELERATE)
     session.run("pytest", "-q", "-p", "no:cacheprovider", *PLAIN_TESTS, *session.posargs)
 
 

@@ -387,7 +387,22 @@ def test_gru_parity() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # transformers BertForSequenceClassification
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize(
+    "attn_implementation",
+    [
+        "eager",
+        pytest.param(
+            "sdpa",
+            marks=pytest.mark.xfail(
+                PER_SHAPE,
+                reason="plain backend: transformers' sdpa mask asks whether every position is "
+                "attended (a data-dependent bool), which aot's trace on fake tensors cannot "
+                "answer; the class runs in PyTorch with that reason",
+                strict=True,
+            ),
+        ),
+    ],
+)
 def test_bert_for_sequence_classification_parity(attn_implementation: str) -> None:
     import transformers
 
@@ -422,5 +437,9 @@ def test_bert_for_sequence_classification_parity(attn_implementation: str) -> No
     # SGD: attention key biases have exactly-zero true gradients (see the encoder-layer test).
     run = assert_training_parity(model, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
     assert run.engine_model.config._attn_implementation == attn_implementation
-    # the fixed shape earned its static-shape graph: the last steps ran in it, at eager's numbers
-    assert [r.hot_shape for r in run.engine.records] == [False, True]
+    if PER_SHAPE:
+        assert [r.per_shape for r in run.engine.records] == [True]  # one input shape
+    else:
+        # the fixed shape earned its static-shape graph: the last steps ran in it, at eager's
+        # numbers
+        assert [r.hot_shape for r in run.engine.records] == [False, True]

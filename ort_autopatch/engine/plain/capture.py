@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import export, trees
+from ort_autopatch.engine import export, tracing, trees
 from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
 
 
@@ -145,8 +145,10 @@ def capture(
     flat = _Flat(module, forward, spec)
     try:
         with (
+            export.EXPORT_LOCK,  # the rewrites below rebind process-wide state
             contextlib.ExitStack() as stack,
             export.stepping_aside(),
+            tracing.export_rewrites(),
             _math_attention(),
             _traceable_batch_norms(module),
         ):

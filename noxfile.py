@@ -1,10 +1,14 @@
 """Development sessions (`nox -s NAME`; `nox` alone runs `tests`).
 
 - `demo`: examples/train_mlp.py through the launcher, with its summary.
-- `tests`: the test suite; it then runs `tests_transformers5` and `tests_plain`.
+- `tests`: the test suite on torch 2.13; it then runs `tests_transformers5`, `tests_plain`
+  and `tests_torch214`.
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
 - `tests_plain`: the plain backend's tests on the latest (inference-only) onnxruntime.
+- `tests_torch214`: what can differ between torch releases (export, parity, torchvision's
+  models) on torch 2.14.1 with torchvision 0.29.1.
+- `tests_torch215`: the whole suite on torch 2.15 (a download of several GB; not run by CI).
 - `lint`: ruff, ruff format, mypy and the README's generated tables (options, benchmarks).
 - `bench`: every benchmark; results in benchmarks/results/*.json.
 - `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.
@@ -20,9 +24,13 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 PYTHON = "3.11"
-# torch 2.13.0's CPU build lies on this kind of machine's disk; any other version (or an
-# unpinned torch) downloads a multi-GB CUDA build.
+# torch 2.13.0's CPU build lies on this kind of machine's disk, and so do torch 2.14.1 and the
+# torchvision built for it (5.8 GB, about 5 minutes to install); any other version (or an
+# unpinned torch) downloads a multi-GB CUDA build. The tested range is 2.13 to 2.15
+# (ort_autopatch/versions.py): CI runs the suite on 2.13 and what can differ on 2.14.
 TORCH = "torch==2.13.0"
+TORCH_214 = ("torch==2.14.1", "torchvision==0.29.1")
+TORCH_215 = ("torch~=2.15.0", "torchvision~=0.30.0")
 TRANSFORMERS = "transformers==4.57.6"
 TRANSFORMERS5 = "transformers==5.23.0"
 ACCELERATE = "accelerate==1.15.0"  # transformers' Trainer needs it (examples/hf_trainer.py)
@@ -31,9 +39,9 @@ LIGHTNING = "lightning==2.6.6"
 PEFT = "peft==0.21.2"
 
 
-def _install(session: nox.Session, *extra: str) -> None:
+def _install(session: nox.Session, *extra: str, torch: tuple[str, ...] = (TORCH,)) -> None:
     """The training build's environment (`ort-training`), where most sessions run."""
-    session.install(TORCH)
+    session.install(*torch)
     session.install("-e", ".[training-cpu]", *extra)
 
 
@@ -58,6 +66,7 @@ def tests(session: nox.Session) -> None:
     if not session.posargs:
         session.notify("tests_transformers5")
         session.notify("tests_plain")
+        session.notify("tests_torch214")
 
 
 @nox.session(python=PYTHON)
@@ -103,6 +112,32 @@ def tests_plain(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[cpu]", "pytest", "pytest-timeout", "numpy", TRANSFORMERS, ACCELERATE)
     session.run("pytest", "-q", "-p", "no:cacheprovider", *PLAIN_TESTS, *session.posargs)
+
+
+# What can differ between torch releases: the export (the TorchScript exporter's internals,
+# symbolics, trace hazards), numbers against eager, and torchvision's models (torch 2.13's CPU
+# wheel and PyPI's torchvision do not import together, so they run here only). Sized for CI's
+# budget: about 10 minutes with the install.
+TORCH_VERSION_TESTS = (
+    "tests/test_engine_parity.py",
+    "tests/test_symbolics.py",
+    "tests/test_torchvision_models.py",
+)
+
+
+@nox.session(python=PYTHON)
+def tests_torch214(session: nox.Session) -> None:
+    """The tests torch 2.14 can change, and torchvision's models (`nox -s tests` runs it)."""
+    _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy", torch=TORCH_214)
+    args = ("-q", "-p", "no:cacheprovider", "--durations=12", *TORCH_VERSION_TESTS)
+    session.run("pytest", *args, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def tests_torch215(session: nox.Session) -> None:
+    """The whole suite on torch 2.15 and its torchvision (several GB; not run by CI)."""
+    _install(session, *TEST_DEPS, torch=TORCH_215)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -161,8 +161,10 @@ def enforced() -> Iterator[None]:
             budget.tracing()
         return slow_forward(self, *args, **kwargs)
 
-    def bounded_name_lookup(*args: Any, **kwargs: Any) -> Any:
-        lookup = name_lookup(*args, **kwargs)
+    def bounded_name_lookup(frames_up: int = 1) -> Any:
+        # The lookup names a value after the caller's local variable holding it, found
+        # `frames_up` frames above it: one more for the frame of ours between them.
+        lookup = name_lookup(frames_up + 1)
 
         def bounded_lookup(var: Any) -> Any:
             budget: _Budget | None = getattr(_state, "budget", None)

@@ -4,6 +4,7 @@ the backend's choice, call by call against eager."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +88,20 @@ def test_insisting_on_a_backend_that_is_not_installed_names_its_package() -> Non
     engine = ModuleEngine(_net(), EngineOptions(backend="ort-training"))
     with pytest.raises(EngineError, match="ort-autopatch\\[training-cpu\\]"):
         engine(torch.randn(3, 6))
+
+
+def test_a_second_engine_loads_both_graphs_from_the_persistent_cache(tmp_path: Path) -> None:
+    options = EngineOptions(backend="ort", threads=1, cache_dir=tmp_path)
+    x = torch.randn(5, 6)
+    first = ModuleEngine(_net(), options)
+    first(x).sum().backward()
+    model, eager = _net(), _net()
+    second = ModuleEngine(model, options)
+    out, expected = second(x), eager(x)
+    assert [r.from_disk for r in second.records] == [True]
+    assert ran_in_plain_ort(out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)

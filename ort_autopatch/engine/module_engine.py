@@ -97,6 +97,7 @@ class ModuleEngine:
         self.settings = session.SessionSettings(self.options.threads)
         backend = backends.choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
+        self._per_shape = backend.per_shape
         self._builder = Builder(
             self._cls,
             self.options,

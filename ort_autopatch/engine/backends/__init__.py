@@ -82,6 +82,9 @@ class Backend(ABC):
     """Builds and runs one module instance's graphs on one ONNX Runtime package."""
 
     name: ClassVar[str]  # in cache keys, reports and `BACKENDS`
+    #: every graph serves only the input shapes it was traced for, from the first one on (so
+    #: the first call's key, and its on-disk key, already name the shapes)
+    per_shape: ClassVar[bool] = False
 
     def __init__(self, module_class: str, options: EngineOptions, forward: Forward) -> None:
         self.module_class = module_class

@@ -58,6 +58,7 @@ class PlainBuild(Backend):
     """Graphs from torch's autograd, run by the inference-only `onnxruntime`."""
 
     name: ClassVar[str] = "ort"
+    per_shape: ClassVar[bool] = True  # traced for the call's shapes
 
     @staticmethod
     def unavailable() -> str | None:
@@ -130,7 +131,12 @@ class PlainBuild(Backend):
         payload = recipe.payload
         assert isinstance(payload, PlainPayload), f"a {recipe.backend} recipe"
         built = program.instantiate(payload.lowered, self.module_class, miss.device, settings)
-        runnable = _Program(built, list(recipe.feed_sources))
+        # the forward graph's inputs in order: what `run` takes (a stored recipe's
+        # feed_sources may come back in another order)
+        import onnx
+
+        names = [value.name for value in onnx.load_from_string(recipe.forward_model).graph.input]
+        runnable = _Program(built, names)
         progress.phase = "checking the first call against eager"
         self._check(recipe, runnable, miss)
         return runnable
@@ -147,7 +153,7 @@ class PlainBuild(Backend):
         def feeds_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             return [
                 tensors[int(where)] if kind == "input" else state.tensors[state.index[where]]
-                for kind, where in recipe.feed_sources.values()
+                for kind, where in map(recipe.feed_sources.__getitem__, runnable.feed_names)
             ]
 
         def run_graph(tensors: list[torch.Tensor]) -> Any:

@@ -370,3 +370,17 @@ def test_batchnorm_with_a_cumulative_average_trains_like_eager() -> None:
     _train_like_eager(model, lambda: (torch.randn(4, 3, 6, 6) * 2 + 1,))
     assert int(model[1].num_batches_tracked) == 3
     assert "forward" not in model[1].__dict__
+
+
+def test_an_in_place_weight_change_before_backward_raises_as_in_eager() -> None:
+    """Backward reads the weight's transpose, which forward made: the weight itself is saved
+    so that autograd's version check raises eager's error instead of using the old values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = PlainCall(model, x)
+    out = plain(x)
+    with torch.no_grad():
+        model[2].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.sum().backward()

@@ -51,6 +51,9 @@ class Captured:
     #: ("feed", feed index) for a value forward passes through unchanged, or ("tangent", k)
     #: for the gradient of user output k
     backward_inputs: list[tuple[str, int]] = field(default_factory=list)
+    #: feeds whose memory a value backward reads shares (a view of a parameter, such as its
+    #: transpose): saved too, only so autograd's version check sees an in-place change
+    viewed_feeds: list[int] = field(default_factory=list)
     #: user outputs that are an input itself, returned as it is: user output -> feed index.
     #: Their gradient reaches the input through autograd, never through the graphs (which
     #: have no cotangent for them), as eager returns the very tensor.
@@ -248,6 +251,28 @@ def _input_aliases(
     return aliases
 
 
+_aten = torch.ops.aten
+#: operators whose output is a view of their first input (eager saves the input's memory)
+_VIEWS = frozenset(
+    {
+        _aten.t.default,
+        _aten.transpose.int,
+        _aten.permute.default,
+        _aten.view.default,
+        _aten._unsafe_view.default,
+        _aten.reshape.default,
+        _aten.expand.default,
+        _aten.unsqueeze.default,
+        _aten.squeeze.dim,
+        _aten.squeeze.dims,
+        _aten.detach.default,
+        _aten.alias.default,
+        _aten.slice.Tensor,
+        _aten.select.int,
+    }
+)
+
+
 def _qualified(target: str) -> str:
     """The user module's name for a tensor of the wrapper (`m.layer.weight`)."""
     return target[2:] if target.startswith("m.") else target
@@ -293,6 +318,18 @@ def _link(
                 "Report the model",
             )
     captured.backward_inputs = reads
+    producers = {n.name: n for n in forward.graph.nodes}
+    outputs_in_order = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    viewed: set[int] = set()
+    for kind, k in reads:
+        if kind != "out":
+            continue
+        node = outputs_in_order[k]
+        while node is not None and node.op == "call_function" and node.target in _VIEWS:
+            node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+        if node is not None and node.op == "placeholder" and node.name in producers:
+            viewed.add(forward_inputs[node.name])
+    captured.viewed_feeds = sorted(viewed)
     outputs = next(n for n in backward.graph.nodes if n.op == "output").args[0]
     if len(outputs) != len(captured.feeds):
         raise ExportError(

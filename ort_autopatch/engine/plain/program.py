@@ -159,6 +159,7 @@ class Lowered:
     forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
     backward_outputs: list[tuple[str, int]]
     aliases: dict[int, int]  # see `Captured.aliases`
+    viewed_feeds: list[int]  # see `Captured.viewed_feeds`
 
     def graphs(self) -> dict[str, bytes]:
         found = {"forward": self.forward}
@@ -175,6 +176,7 @@ class Lowered:
             "forward_outputs": [list(x) for x in self.forward_outputs],
             "backward_outputs": [list(x) for x in self.backward_outputs],
             "aliases": [[k, v] for k, v in self.aliases.items()],
+            "viewed_feeds": self.viewed_feeds,
         }
 
     @classmethod
@@ -192,6 +194,7 @@ class Lowered:
             forward_outputs=pairs("forward_outputs"),
             backward_outputs=pairs("backward_outputs"),
             aliases={int(k): int(v) for k, v in meta["aliases"]},
+            viewed_feeds=[int(k) for k in meta["viewed_feeds"]],
         )
 
 
@@ -215,6 +218,7 @@ def lower(captured: Captured, cls: str) -> Lowered:
         forward_outputs=forward_outputs,
         backward_outputs=backward_outputs,
         aliases=captured.aliases,
+        viewed_feeds=captured.viewed_feeds,
     )
 
 
@@ -345,7 +349,8 @@ class PlainTrainingCall(torch.autograd.Function):
                 saved.append(outputs[k])
             elif kind == "feed":
                 saved.append(before.get(k, feeds[k]))
-        ctx.save_for_backward(*saved)
+        # the feeds backward reads through a view of them: saved for the version check only
+        ctx.save_for_backward(*saved, *[feeds[k] for k in program.lowered.viewed_feeds])
         for out in user:
             if not out.is_floating_point():
                 ctx.mark_non_differentiable(out)
@@ -355,7 +360,7 @@ class PlainTrainingCall(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         program: Program = ctx.program
         assert program.backward is not None
-        saved = iter(ctx.saved_tensors)
+        saved = iter(ctx.saved_tensors)  # checks every version, the viewed feeds' too
         values: list[torch.Tensor] = []
         for kind, k in program.lowered.backward_inputs:
             if kind == "tangent":

@@ -21,8 +21,13 @@ import torch
 
 from ort_autopatch.engine import bridge, export, runtime, session
 from ort_autopatch.engine.backends import Backend, Progress
-from ort_autopatch.engine.errors import RuntimeUnavailableError, UnsupportedModelError
+from ort_autopatch.engine.errors import (
+    RuntimeUnavailableError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
 from ort_autopatch.engine.recipe import Miss, Recipe
+from ort_autopatch.engine.signature import FlatCall
 
 
 @dataclass
@@ -73,6 +78,19 @@ class PlainBuild(Backend):
         for model in graphs.values():
             onnx.checker.check_model(onnx.load_from_string(model))
         return PlainPayload(program.Lowered.from_stored(meta, graphs))
+
+    def refuse(self, call: FlatCall) -> None:
+        """A training call under a functorch transform (vmap, grad) is refused: torch's
+        autograd cannot trace through the transform's wrapped tensors, and a graph built
+        outside it would be refused by `Function.apply` in the user's run. PyTorch runs it
+        (the default fallback policy), transform and all."""
+        if torch._C._are_functorch_transforms_active():
+            raise UnsupportedInputError(
+                self.module_class,
+                "the call runs under a functorch transform (torch.func.vmap, grad, ...), "
+                "which the plain backend's graphs cannot take part in",
+                "Keep the default fallback policy (PyTorch runs these calls)",
+            )
 
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
         from ort_autopatch.engine.plain import capture, decompositions, program

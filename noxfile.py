@@ -96,13 +96,14 @@ def tests_transformers5(session: nox.Session) -> None:
 
 # The plain backend's tests (inference-only onnxruntime, graphs from torch's autograd), in an
 # environment with the maintained onnxruntime and no training build: the two packages cannot
-# share one. The parity suite runs here too, on the plain backend (about a minute); the rest of
-# the suite runs on the training build in `tests`.
+# share one. The parity suite and the engine's semantics run here too, on the plain backend
+# (about a minute, and 30 s); the rest of the suite runs on the training build in `tests`.
 PLAIN_TESTS = (
     "tests/test_plain_decompositions.py",
     "tests/test_plain_backend.py",
     "tests/test_plain_engine.py",
     "tests/test_engine_parity.py",
+    "tests/test_engine_semantics.py",
 )
 
 

@@ -496,16 +496,22 @@ def _refuse_dtypes(model: Any, cls: str) -> None:
         if name is not None:
             found.setdefault(name, []).append(value.name)
     if found:
-        what = "; ".join(
-            f"{dtype} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
-            for dtype, names in found.items()
-        )
-        raise UnsupportedInputError(
-            cls,
-            f"training with {what}: ONNX Runtime 1.19.2 lacks {'/'.join(found)} gradient "
-            "kernels for common operators (Concat's SplitTraining, ReluGrad)",
-            "Train in float32, or keep the default fallback policy (PyTorch runs this dtype)",
-        )
+        raise untrainable(cls, found)
+
+
+def untrainable(cls: str, found: dict[str, list[str]]) -> UnsupportedInputError:
+    """The refusal of a training build with dtypes ORT cannot differentiate (`found`: dtype ->
+    the names that have it), whether found in the exported graph or before exporting."""
+    what = "; ".join(
+        f"{dtype} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+        for dtype, names in found.items()
+    )
+    return UnsupportedInputError(
+        cls,
+        f"training with {what}: ONNX Runtime 1.19.2 lacks {'/'.join(found)} gradient "
+        "kernels for common operators (Concat's SplitTraining, ReluGrad)",
+        "Train in float32, or keep the default fallback policy (PyTorch runs this dtype)",
+    )
 
 
 def build_training(

@@ -493,16 +493,7 @@ def _refuse_untrainable(cls: str, miss: Miss) -> None:
         if is_param and tensor.requires_grad and dtype is not None:
             found.setdefault(dtype, []).append(name)
     if found:
-        what = "; ".join(
-            f"{dtype} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
-            for dtype, names in found.items()
-        )
-        raise UnsupportedInputError(
-            cls,
-            f"training with {what}: ONNX Runtime 1.19.2 lacks {'/'.join(found)} gradient "
-            "kernels for common operators (Concat's SplitTraining, ReluGrad)",
-            "Train in float32, or keep the default fallback policy (PyTorch runs this dtype)",
-        )
+        raise session.untrainable(cls, found)
 
 
 def _payload(recipe: Recipe) -> TrainingPayload:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import render_zoo  # beside this script: its README splice
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "engine.json"
 README = ROOT / "README.md"
@@ -51,11 +53,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def render(readme: str, block: str) -> str:
-    if START not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {START} ... {END} block")
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{block}\n{END}{tail}"
+    return render_zoo.render(readme, block, START, END)
 
 
 def main(argv: list[str] | None = None) -> int:

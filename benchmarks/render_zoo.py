@@ -51,12 +51,14 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render(readme: str, block: str) -> str:
-    if START not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {START} ... {END} block")
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{block}\n{END}{tail}"
+def render(readme: str, block: str, start: str = START, end: str = END) -> str:
+    """`readme` with what stands between `start` and `end` replaced by `block` (the other
+    generated README tables splice theirs with this too)."""
+    if start not in readme or end not in readme:
+        raise SystemExit(f"README.md has no {start} ... {end} block")
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{block}\n{end}{tail}"
 
 
 #: The zoo entries named on their own in `nox -s bench`'s output (issue 12's targets).

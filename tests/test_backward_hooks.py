@@ -63,15 +63,17 @@ def _detached(grads: Any) -> tuple[Any, ...]:
 def _train(
     model: Net, register: Callable[[Net, Seen], None], through_ort: bool, x_grad: bool = True
 ) -> tuple[Seen, list[torch.Tensor | None]]:
-    """Register hooks, run two training steps with an upstream leaf, and return what the
-    hooks saw (in order) and every gradient upstream of and inside the module."""
+    """Register hooks, run two training steps (batch 4, then 7: the hooks must see each call's
+    own sizes) with an upstream leaf, and return what the hooks saw (in order) and every
+    gradient upstream of and inside the module."""
     seen: Seen = []
     register(model, seen)
     grads: list[torch.Tensor | None] = []
     for step in range(2):
         g = torch.Generator().manual_seed(step)
-        leaf = torch.randn(4, 6, generator=g, requires_grad=x_grad)
-        y = torch.randn(4, 3, generator=g, requires_grad=True)
+        batch = 4 + 3 * step
+        leaf = torch.randn(batch, 6, generator=g, requires_grad=x_grad)
+        y = torch.randn(batch, 3, generator=g, requires_grad=True)
         x = leaf * 3.0 if x_grad else leaf
         call = model if through_ort else lambda *a: nn.Module.__call__(model, *a)
         out, side = call(x, y)

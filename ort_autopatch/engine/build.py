@@ -93,10 +93,19 @@ class Builder:
             persisted = self._persistent_key(miss)
             if persisted is not None:
                 stored = self._persistence.load(persisted, miss.module)
+                guards = None if stored is None else stored.size_guards
+                if guards is not None and not guards.admits(miss.call.shapes()):
+                    # a graph of these dimensions whose guards exclude this call (a branch
+                    # on a size): built again, and stored in its place
+                    log.debug(
+                        "%s: stored graph's %s", self._cls, guards.first_failure(miss.call.shapes())
+                    )
+                    stored = None
                 if stored is not None:
                     progress.phase = "session"
                     entry = self._instantiate(stored, miss, progress)
                     self._record(reason, 0.0, time.perf_counter() - start, entry, from_disk=True)
+                    self.records[-1].dynamic = guards is not None and guards.is_dynamic
                     return entry
             recipe, export_seconds = self.backend.build(miss, progress)
             budget.check("before creating its ONNX Runtime session")
@@ -107,6 +116,8 @@ class Builder:
             )
             self.records[-1].per_shape = miss.per_shape
             self.records[-1].hot_shape = miss.hot is not None and not miss.per_shape
+            guards = entry.recipe.size_guards
+            self.records[-1].dynamic = guards is not None and guards.is_dynamic
         # Recomputed: the build may have switched every graph to static shapes.
         self._persistence.save(
             miss.module,

@@ -50,6 +50,10 @@ class GraphCache(Generic[V]):
         with self._lock:
             self._entries.clear()
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether `key` has an entry (or a remembered failure), without touching the LRU."""
+        return key in self._entries or key in self._refused
+
     def get(self, key: Hashable) -> V | None:
         """A hit, or None; a remembered failure is raised again."""
         with self._lock:

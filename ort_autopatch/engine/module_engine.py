@@ -7,6 +7,7 @@ between its eval_frame and convert_frame).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -36,6 +37,7 @@ from ort_autopatch.engine.errors import (
     MixedDevicesError,
 )
 from ort_autopatch.engine.recipe import BuildRecord, EngineOptions, Miss, Recipe
+from ort_autopatch.engine.sizes import SizeClasses, SizeGuards
 from ort_autopatch.engine.state import ModuleState
 
 __all__ = ["BuildRecord", "EngineOptions", "ModuleEngine", "Recipe"]
@@ -98,6 +100,9 @@ class ModuleEngine:
         backend = backends.choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
         self._per_shape = backend.per_shape
+        # graphs carry size guards (`Backend.guarded`): a call is admitted by them
+        self._guarded = backend.guarded
+        self._sizes = SizeClasses()
         self._builder = Builder(
             self._cls,
             self.options,
@@ -156,6 +161,7 @@ class ModuleEngine:
             if module is not None:
                 self._state = ModuleState(module)
             self._cache.clear()
+            self._sizes.clear()
             self._trusted.clear()
             self._verified.clear()
             self._keys.forget(self._state, reason)
@@ -212,12 +218,16 @@ class ModuleEngine:
         mode = (torch.is_grad_enabled(), module.training, autocast)
         hot: Shapes | None = None
         earned = False
-        if not self._per_shape:
+        if not self._per_shape and not self._guarded:
             hot, earned = self._hot.pick(mode, call.shapes)
         if trust_last and not earned and mode in self._trusted:
             last = self._trusted[mode]
             # even unchecked, a static-shape graph never takes another shape
-            if last.shapes == self._key_shapes(call, hot):
+            if (
+                self._sizes.admits(last, call.shapes())
+                if self._guarded
+                else last.shapes == self._key_shapes(call, hot)
+            ):
                 trusted = self._cache.get(last)  # None once evicted
                 if trusted is not None:
                     return trusted.run(self._state, call, recompute)
@@ -285,16 +295,23 @@ class ModuleEngine:
             if refused is not None:
                 raise refused
             reason = self._keys.miss_reason(key)
+            base = dataclasses.replace(key, shapes=None)
+            if self._guarded and reason == "new input shape":
+                reason = self._sizes.reason(base, call.shapes()) or reason
             try:
                 entry = self._cache.get_or_build(
-                    key, lambda: self._build(module, state, call, grad, reason, hot, autocast)
+                    key,
+                    lambda: self._build(module, state, call, grad, reason, hot, autocast, base),
                 )
             except BuildOverBudget as exc:
                 self._cache.refuse(key, exc)  # trying again would cost as much again
                 raise
             # The build may have switched to static shapes or taught the guards new
             # attributes: file the graph under the key later calls will compute.
-            settled = self._key(grad, call, requires, hot, autocast)
+            if self._guarded:  # filed by its guards (`_build` made them known)
+                settled = self._sizes.key_of(base, self._size_guards(entry, call))
+            else:
+                settled = self._key(grad, call, requires, hot, autocast)
             if settled != key:
                 self._cache.rekey(key, settled)
                 key = settled
@@ -314,7 +331,17 @@ class ModuleEngine:
         if requires is None:
             requires = self._state.requires_grad_flags() if grad else []
         shapes = self._key_shapes(call, hot)
-        return self._keys.key(grad, call.signature, shapes, requires, autocast)
+        key = self._keys.key(grad, call.signature, shapes, requires, autocast)
+        if not self._guarded:
+            return key
+        # the graph whose size guards admit the call, else (a miss) the call's shapes
+        found = self._sizes.classify(key, call.shapes(), self._cache.holds)
+        return found if found is not None else dataclasses.replace(key, shapes=call.shapes())
+
+    @staticmethod
+    def _size_guards(entry: Entry, call: signature.FlatCall) -> SizeGuards:
+        guards = entry.recipe.size_guards
+        return guards if guards is not None else SizeGuards(call.shapes())
 
     def _device_type(self, call: signature.FlatCall) -> str:
         """The device type whose autocast state applies: the module's tensors', else the
@@ -326,8 +353,9 @@ class ModuleEngine:
 
     def _key_shapes(self, call: signature.FlatCall, hot: Shapes | None) -> Shapes | None:
         """The input shapes a call's key holds: all of them once the model specialises on
-        sizes, the earned static-shape graph's (`hot`), or None (one graph for every size)."""
-        return call.shapes() if self._per_shape else hot
+        sizes, the earned static-shape graph's (`hot`), or None (one graph for every size;
+        for a backend with size guards, `_key` then adds the admitting graph's guards)."""
+        return call.shapes() if self._per_shape and not self._guarded else hot
 
     def _build(
         self,
@@ -338,6 +366,7 @@ class ModuleEngine:
         reason: str,
         hot: Shapes | None,
         autocast: amp.State,
+        base: CallKey,
     ) -> Entry:
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
@@ -348,12 +377,20 @@ class ModuleEngine:
             )
         device = next(iter(devices), torch.device("cpu"))
         miss = Miss(module, state, call, grad, device, hot, self._per_shape, autocast)
+        if self._guarded:
+            miss.guarded = True
+            miss.dynamic = self._sizes.dynamic_dims(base, call.shapes())
         try:
-            return self._builder.build(miss, reason)
+            entry = self._builder.build(miss, reason)
         finally:
             # what the build learned holds even when it failed: the model specialises on sizes
-            if miss.per_shape:
+            if miss.per_shape and self._guarded:
+                self._sizes.static_only(base)
+            elif miss.per_shape:
                 self._per_shape = True
+        if self._guarded:
+            self._sizes.add(base, self._size_guards(entry, call))
+        return entry
 
     def _verify(
         self,

@@ -19,6 +19,7 @@ from ort_autopatch.engine.backends import Backend
 from ort_autopatch.engine.callkey import CallKey, Guards
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.signature import FlatCall
+from ort_autopatch.engine.sizes import SizeGuards
 from ort_autopatch.engine.state import ModuleState
 from ort_autopatch.engine.store import GraphStore, StoredEntry, digest, digest_bytes
 
@@ -159,6 +160,7 @@ def meta_of(recipe: Recipe) -> dict[str, Any] | None:
         "traced_shapes": None
         if recipe.traced_shapes is None
         else [list(shape) for shape in recipe.traced_shapes],
+        "size_guards": None if recipe.size_guards is None else recipe.size_guards.meta(),
         "payload": recipe.payload.meta(),
     }
 
@@ -191,6 +193,9 @@ def recipe_from(stored: StoredEntry, cls: str, backend: type[Backend]) -> Recipe
             traced_shapes=None
             if meta.get("traced_shapes") is None
             else tuple(tuple(int(d) for d in shape) for shape in meta["traced_shapes"]),
+            size_guards=None
+            if meta.get("size_guards") is None
+            else SizeGuards.from_meta(meta["size_guards"]),
         )
     except Exception as exc:
         log.warning(

@@ -17,6 +17,7 @@ from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import export, hazards
 from ort_autopatch.engine.callkey import Shapes
 from ort_autopatch.engine.signature import FlatCall
+from ort_autopatch.engine.sizes import Dims, SizeGuards
 from ort_autopatch.engine.state import ModuleState
 
 
@@ -62,6 +63,7 @@ class BuildRecord:
     torch_nodes: dict[str, int] = field(default_factory=dict)
     per_shape: bool = False  # keyed by its input shapes (the model specialises on sizes)
     hot_shape: bool = False  # a static-shape graph for an input shape that kept coming back
+    dynamic: bool = False  # traced with symbolic sizes: serves every size its guards admit
 
 
 class Payload(Protocol):
@@ -93,6 +95,8 @@ class Recipe:
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
     checks: list[hazards.Check] = field(default_factory=list)  # the last user outputs
     traced_shapes: tuple[tuple[int, ...], ...] | None = None  # the example's input shapes
+    # the sizes the graph serves, for a backend whose graphs carry guards (`Backend.guarded`)
+    size_guards: SizeGuards | None = None
 
 
 @dataclass
@@ -111,11 +115,21 @@ class Miss:
     hot: Shapes | None  # the input shapes that earned a static-shape graph of their own
     per_shape: bool  # every graph of this module serves one input shape
     autocast: amp.State = None  # the call's autocast state, which the export runs under
+    #: a backend with size guards (`Backend.guarded`): the dimensions to trace as symbols
+    #: (None: the call's shapes exactly); the build clears it when a symbolic trace fails
+    dynamic: Dims | None = None
+    guarded: bool = False
 
     def shapes(self) -> Shapes | None:
-        """The input shapes the graph is built and keyed for, or None for a dynamic graph."""
+        """The input shapes the graph is built and keyed for (-1 for a dimension traced as a
+        symbol), or None for a dynamic graph."""
+        if self.guarded:
+            shapes = self.call.shapes()
+            if self.dynamic is None:
+                return shapes
+            return SizeGuards(shapes, self.dynamic).pattern()
         return self.call.shapes() if self.per_shape else self.hot
 
     def one_shape(self) -> bool:
         """Whether the graph serves one input shape (it may allocate from a shared arena)."""
-        return self.hot is not None or self.per_shape
+        return self.hot is not None or self.per_shape or (self.guarded and self.dynamic is None)

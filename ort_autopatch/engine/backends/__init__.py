@@ -15,8 +15,10 @@ the progress warning. A backend supplies the rest, for one module instance at a 
    differentiate it; a backend may as well trace the module with the example inputs
    (`miss.module`, `miss.call.tensors`, `miss.call.spec()`) through torch's autograd. Set
    `miss.per_shape` when the graph only fits the call's input shapes (the engine then keys
-   every later graph of the module by shape), and raise an `EngineError` subclass (with a
-   cause and a remedy) when the call cannot run: the engine falls back to eager.
+   every later graph of the module by shape), or, for a backend with size guards
+   (`guarded`), trace `miss.dynamic` as symbols and say in `Recipe.size_guards` which sizes
+   the graph serves; raise an `EngineError` subclass (with a cause and a remedy) when the
+   call cannot run: the engine falls back to eager.
 2. `instantiate(recipe, miss, step, settings, progress)`: sessions for a recipe (built just
    now or loaded from disk) as a `Program`. `Program.run(feeds, recompute)` takes the
    tensors named by `feed_names` and returns the user outputs (then the checks output, when
@@ -85,6 +87,10 @@ class Backend(ABC):
     #: every graph serves only the input shapes it was traced for, from the first one on (so
     #: the first call's key, and its on-disk key, already name the shapes)
     per_shape: ClassVar[bool] = False
+    #: every graph carries the input sizes it serves (`Recipe.size_guards`): the engine admits
+    #: a call to the first graph whose guards hold, and asks for symbolic dimensions
+    #: (`Miss.dynamic`) once a key has seen a second input shape
+    guarded: ClassVar[bool] = False
 
     def __init__(self, module_class: str, options: EngineOptions, forward: Forward) -> None:
         self.module_class = module_class

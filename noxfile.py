@@ -102,6 +102,7 @@ PLAIN_TESTS = (
     "tests/test_plain_decompositions.py",
     "tests/test_plain_backend.py",
     "tests/test_plain_engine.py",
+    "tests/test_plain_dynamic_shapes.py",
     "tests/test_engine_parity.py",
     "tests/test_engine_semantics.py",
 )

@@ -54,7 +54,9 @@ def test_a_graph_serves_only_the_input_shape_it_was_traced_for() -> None:
     for batch in (5, 7, 5):
         x = torch.randn(batch, 6)
         torch.testing.assert_close(engine(x), eager(x), rtol=1e-5, atol=1e-6)
-    assert engine.builds == 2  # one graph per batch size, the first one reused
+    # the first graph serves batches of 5 only; a second, symbolic in the batch, serves 7
+    assert engine.builds == 2
+    assert [r.dynamic for r in engine.records] == [False, True]
 
 
 def test_eval_calls_run_forward_alone_in_ort() -> None:

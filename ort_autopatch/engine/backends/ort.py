@@ -2,8 +2,11 @@
 backward graphs from torch's autograd, each run in an InferenceSession.
 
 A build traces the call's joint forward + backward with aot_autograd and the backend's
-decomposition table, partitions it, and lowers both graphs to ONNX (`engine/plain/`); the
-graphs are traced for the call's input shapes, so every graph serves one input shape. Before a
+decomposition table, partitions it, and lowers both graphs to ONNX (`engine/plain/`). A key's
+first graph is traced for the call's input shapes; once a second shape comes, the dimensions
+that varied are traced as symbols (`plain.symbolic`), and the graph serves every size its
+guards admit (`Recipe.size_guards`, `engine/sizes.py`). A symbolic trace that fails falls
+back to a graph for the call's shapes, and that key stays one graph per shape. Before a
 graph's numbers are trusted, its first call (the call that built it) also runs eagerly and the
 two are compared (`plain.check`): a mismatch is a `VerificationError`, and that key's calls run
 in PyTorch with the reason. Buffer updates (BatchNorm's statistics) and dropout's seeds are
@@ -12,6 +15,7 @@ the program's own business (`plain.program`), so the engine's `Step` carries nei
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +32,9 @@ from ort_autopatch.engine.errors import (
 )
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
+from ort_autopatch.engine.sizes import SizeGuards
+
+log = logging.getLogger("ort_autopatch")
 
 
 @dataclass
@@ -63,7 +70,7 @@ class PlainBuild(Backend):
     """Graphs from torch's autograd, run by the inference-only `onnxruntime`."""
 
     name: ClassVar[str] = "ort"
-    per_shape: ClassVar[bool] = True  # traced for the call's shapes
+    guarded: ClassVar[bool] = True  # each graph says which sizes it serves
 
     @staticmethod
     def unavailable() -> str | None:
@@ -100,15 +107,19 @@ class PlainBuild(Backend):
             raise RuntimeUnavailableError(self.module_class, reason, "Run the model eagerly")
         runtime.load(training=False)
         start = time.perf_counter()
-        miss.per_shape = True  # traced for these shapes: never reused for others
         cls = self.module_class
         call = miss.call
-        progress.phase = "tracing forward and backward"
-        captured = capture.capture(
-            miss.module, self.forward, call.spec(), call.tensors, cls, decompositions.table()
-        )
-        progress.phase = "lowering to ONNX"
-        lowered = program.lower(captured, cls)
+        built = None
+        if miss.dynamic is not None:
+            built = self._symbolic(miss, progress)
+        if built is None:
+            progress.phase = "tracing forward and backward"
+            captured = capture.capture(
+                miss.module, self.forward, call.spec(), call.tensors, cls, decompositions.table()
+            )
+            progress.phase = "lowering to ONNX"
+            built = captured, program.lower(captured, cls), SizeGuards(call.shapes())
+        captured, lowered, guards = built
         names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
         sources: dict[str, tuple[str, Any]] = {}
         for name, feed in zip(names, captured.feeds, strict=True):
@@ -133,8 +144,36 @@ class PlainBuild(Backend):
             batch_norms=[],
             seeds_dropout=False,
             traced_shapes=call.shapes(),
+            size_guards=guards,
         )
         return recipe, time.perf_counter() - start
+
+    def _symbolic(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards] | None:
+        """The call traced with `miss.dynamic` as symbols, lowered, and its guards; None (and
+        `miss` told: one graph per shape) when the trace fails or fixes every symbol."""
+        from ort_autopatch.engine.plain import capture, decompositions, program, symbolic
+
+        assert miss.dynamic is not None
+        call, cls = miss.call, self.module_class
+        progress.phase = "tracing forward and backward with symbolic sizes"
+        try:
+            env, fakes = symbolic.fake_inputs(call.tensors, miss.dynamic)
+            captured = capture.capture(
+                miss.module, self.forward, call.spec(), fakes, cls, decompositions.table()
+            )
+            guards = symbolic.size_guards(env, fakes, call.shapes())
+            if not guards.is_dynamic:
+                raise ValueError("the trace fixed every symbolic size")
+            for gm in (captured.forward, captured.backward):
+                if gm is not None:
+                    symbolic.expand_numel(gm)
+            progress.phase = "lowering to ONNX"
+            lowered = program.lower(captured, cls)
+        except Exception as exc:
+            log.debug("%s: no graph with symbolic sizes (%s); one per shape", cls, exc)
+            miss.dynamic, miss.per_shape = None, True
+            return None
+        return captured, lowered, guards
 
     def instantiate(
         self,

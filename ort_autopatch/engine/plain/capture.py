@@ -9,7 +9,9 @@ input and output carries a descriptor, so each is mapped to its meaning here (a 
 parameter or buffer by qualified name, a buffer's new value, the gradient of a feed) and a
 descriptor this backend does not know refuses the call instead of guessing.
 
-Graphs are traced for the call's shapes: a graph is only ever run on inputs of those shapes.
+Graphs are traced for the shapes of the tensors given: real tensors trace the call's shapes,
+fake tensors with symbolic sizes (`symbolic.fake_inputs`) a graph for every size its guards
+admit.
 """
 
 from __future__ import annotations

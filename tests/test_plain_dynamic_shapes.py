@@ -1,0 +1,134 @@
+"""The plain backend's graphs with symbolic sizes: one graph for the batch sizes and sequence
+lengths a model allows, a graph only for calls its size guards admit, call by call against
+eager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine import ModuleEngine
+from ort_autopatch.engine.recipe import EngineOptions
+from ort_autopatch.engine.sizes import SizeGuards
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, ran_in_plain_ort
+
+pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+
+PLAIN = EngineOptions(backend="ort", threads=1)
+
+
+def _train_side_by_side(
+    make: Callable[[], nn.Module],
+    inputs: Sequence[torch.Tensor],
+    options: EngineOptions = PLAIN,
+    engine: ModuleEngine | None = None,
+) -> ModuleEngine:
+    """SGD steps of the model through the engine and eagerly, compared at every call:
+    outputs, every parameter's gradient, the input's gradient and the buffers."""
+    model, eager = make(), make()
+    engine = engine or ModuleEngine(model, options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.05)
+    for step, x in enumerate(inputs):
+        x, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, expected = engine(x), eager(x_eager)
+        assert ran_in_plain_ort(out), f"call {step} (shape {tuple(x.shape)}) ran elsewhere"
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        cotangent = torch.randn_like(expected)
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        out.backward(cotangent)
+        expected.backward(cotangent)
+        torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        for a, b in zip(model.buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        optimizer.step()
+        eager_optimizer.step()
+    return engine
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _encoder_layer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+
+
+def _batch_norm_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)
+    )
+
+
+class Branchy(nn.Module):
+    """Takes another layer for batches above 4: a graph must never serve the other side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.large = nn.Linear(6, 3)
+        self.small = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 4:
+            return self.large(x)
+        return self.small(x) * 2
+
+
+def test_an_mlp_with_a_new_batch_size_every_call_needs_two_graphs() -> None:
+    batches = [torch.randn(n, 6) for n in (8, 5, 11, 3, 7, 16)]
+    engine = _train_side_by_side(_mlp, batches)
+    assert engine.builds == 2  # the first call's shape, then every batch size
+    assert [r.dynamic for r in engine.records] == [False, True]
+    assert engine.records[1].reason == "size guard failed: inputs[0].shape[0] == 8"
+
+
+def test_a_transformer_layer_with_new_batch_and_length_every_call_needs_two_graphs() -> None:
+    sizes = [(4, 6), (3, 9), (5, 4), (2, 7), (6, 5)]
+    engine = _train_side_by_side(_encoder_layer, [torch.randn(b, s, 16) for b, s in sizes])
+    assert engine.builds == 2
+    assert [r.dynamic for r in engine.records] == [False, True]
+
+
+def test_a_branch_on_the_batch_size_gets_a_graph_per_side_and_never_the_wrong_one() -> None:
+    batches = [torch.randn(n, 6) for n in (8, 3, 6, 2, 8, 5, 4)]
+    engine = _train_side_by_side(Branchy, batches)
+    # 8 exactly; 3 with the guard "at most 4"; 6 fails it: a graph for "more than 4"
+    assert engine.builds == 3
+    assert [r.dynamic for r in engine.records] == [False, True, True]
+    assert engine.records[2].reason == "size guard failed: inputs[0].shape[0] <= 4"
+
+
+def test_batch_norm_in_training_with_a_varying_batch_keeps_eagers_statistics() -> None:
+    batches = [torch.randn(n, 6) for n in (6, 4, 9, 5, 12)]
+    engine = _train_side_by_side(_batch_norm_net, batches)
+    assert engine.builds == 2
+    assert [r.dynamic for r in engine.records] == [False, True]
+
+
+def test_a_graph_with_symbolic_sizes_comes_back_from_the_persistent_cache(
+    tmp_path: Path,
+) -> None:
+    options = EngineOptions(backend="ort", threads=1, cache_dir=tmp_path)
+    first = _train_side_by_side(_mlp, [torch.randn(n, 6) for n in (5, 7)], options=options)
+    assert [r.dynamic for r in first.records] == [False, True]
+    second = _train_side_by_side(_mlp, [torch.randn(n, 6) for n in (5, 3, 9)], options=options)
+    assert [r.from_disk for r in second.records] == [True, True]
+    assert [r.dynamic for r in second.records] == [False, True]
+    assert second.builds == 2  # the batch of 9 ran on the loaded graph
+
+
+def test_a_stored_size_guard_that_is_not_size_arithmetic_is_refused() -> None:
+    stored = {"traced": [[5, 6]], "dynamic": [[0]], "texts": ["__import__('os').getpid() > 0"]}
+    with pytest.raises(ValueError, match="size guard may not"):
+        SizeGuards.from_meta(stored)

@@ -132,3 +132,13 @@ def test_a_stored_size_guard_that_is_not_size_arithmetic_is_refused() -> None:
     stored = {"traced": [[5, 6]], "dynamic": [[0]], "texts": ["__import__('os').getpid() > 0"]}
     with pytest.raises(ValueError, match="size guard may not"):
         SizeGuards.from_meta(stored)
+
+
+def test_a_shape_that_keeps_coming_back_earns_a_graph_traced_for_it() -> None:
+    options = EngineOptions(backend="ort", threads=1, static_after=3)
+    batches = [torch.randn(n, 6) for n in (8, 5, 6, 6, 6, 6, 5)]
+    engine = _train_side_by_side(_mlp, batches, options=options)
+    assert engine.builds == 3
+    assert [r.dynamic for r in engine.records] == [False, True, False]
+    assert engine.records[2].hot_shape
+    assert engine.records[2].reason == "input shape repeated 3 calls: a static-shape graph for it"

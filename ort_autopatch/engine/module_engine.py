@@ -218,7 +218,7 @@ class ModuleEngine:
         mode = (torch.is_grad_enabled(), module.training, autocast)
         hot: Shapes | None = None
         earned = False
-        if not self._per_shape and not self._guarded:
+        if not self._per_shape:
             hot, earned = self._hot.pick(mode, call.shapes)
         if trust_last and not earned and mode in self._trusted:
             last = self._trusted[mode]
@@ -247,7 +247,10 @@ class ModuleEngine:
             self._backend.refuse(call)
         else:
             requires = []
-        if earned:
+        if earned and not (
+            # a graph traced for exactly these shapes may serve them already
+            self._guarded and self._cache.holds(self._key(grad, call, requires, hot, autocast))
+        ):
             self._keys.note(
                 f"input shape repeated {self._hot.after} calls: a static-shape graph for it"
             )
@@ -330,10 +333,12 @@ class ModuleEngine:
         `autocast`: the call's autocast state."""
         if requires is None:
             requires = self._state.requires_grad_flags() if grad else []
-        shapes = self._key_shapes(call, hot)
-        key = self._keys.key(grad, call.signature, shapes, requires, autocast)
         if not self._guarded:
-            return key
+            shapes = self._key_shapes(call, hot)
+            return self._keys.key(grad, call.signature, shapes, requires, autocast)
+        key = self._keys.key(grad, call.signature, None, requires, autocast)
+        if hot is not None:  # the graph traced for exactly these shapes
+            return self._sizes.key_of(key, SizeGuards(hot))
         # the graph whose size guards admit the call, else (a miss) the call's shapes
         found = self._sizes.classify(key, call.shapes(), self._cache.holds)
         return found if found is not None else dataclasses.replace(key, shapes=call.shapes())
@@ -353,9 +358,8 @@ class ModuleEngine:
 
     def _key_shapes(self, call: signature.FlatCall, hot: Shapes | None) -> Shapes | None:
         """The input shapes a call's key holds: all of them once the model specialises on
-        sizes, the earned static-shape graph's (`hot`), or None (one graph for every size;
-        for a backend with size guards, `_key` then adds the admitting graph's guards)."""
-        return call.shapes() if self._per_shape and not self._guarded else hot
+        sizes, the earned static-shape graph's (`hot`), or None (one graph for every size)."""
+        return call.shapes() if self._per_shape else hot
 
     def _build(
         self,
@@ -379,7 +383,9 @@ class ModuleEngine:
         miss = Miss(module, state, call, grad, device, hot, self._per_shape, autocast)
         if self._guarded:
             miss.guarded = True
-            miss.dynamic = self._sizes.dynamic_dims(base, call.shapes())
+            miss.dynamic = (
+                None if hot is not None else self._sizes.dynamic_dims(base, call.shapes())
+            )
         try:
             entry = self._builder.build(miss, reason)
         finally:

@@ -8,11 +8,14 @@ checked again, never run as it stands), plus the exact sizes of every dimension 
 constant. A graph traced for one input shape has only those.
 
 `SizeClasses` files the graphs of one call key (everything but the sizes) by their guards: a
-call is admitted to the first graph whose guards hold for its shapes, so a graph never serves
-sizes it does not fit; when none holds, the first guard of the graph last used that fails is
-the rebuild reason. It also decides which dimensions the next graph traces as symbols: the
-first graph of a key is traced for its shapes, and from the second distinct shape on every
-dimension that has varied is symbolic (as torch.compile's automatic dynamic shapes).
+call is admitted to the first graph whose guards hold for its shapes (graphs traced for one
+shape before symbolic ones, which run slower: a TransformerEncoderLayer step took 0.96x
+eager's time against 0.72x), so a graph never serves sizes it does not fit; when none holds,
+the first failing guard of the graph last used is the rebuild reason. It also decides which
+dimensions the next graph traces as symbols: the first graph of a key is traced for its
+shapes, and from the second distinct shape on every dimension that has varied is symbolic
+(as torch.compile's automatic dynamic shapes). A shape that keeps coming back still earns a
+graph traced for it (`callkey.HotShapes`).
 """
 
 from __future__ import annotations
@@ -239,7 +242,14 @@ class SizeClasses:
         key = self.key_of(base, guards)
         with self._lock:
             kept = [(g, k) for g, k in self._families.get(base, []) if k != key]
-            self._families[base] = [*kept, (guards, key)]
+            # graphs for one shape first: faster than a symbolic one where both admit a call
+            exact = [(g, k) for g, k in kept if not g.is_dynamic]
+            symbolic = [(g, k) for g, k in kept if g.is_dynamic]
+            if guards.is_dynamic:
+                symbolic.append((guards, key))
+            else:
+                exact.append((guards, key))
+            self._families[base] = [*exact, *symbolic]
             self._guards[key] = guards
             self._last[base] = guards
         return key

@@ -263,12 +263,15 @@ class SizeClasses:
             varied = self._varied.setdefault(base, set())
             for i, (a, b) in enumerate(zip(first, shapes, strict=False)):
                 varied.update((i, d) for d, (m, n) in enumerate(zip(a, b, strict=False)) if m != n)
-            if not varied or base in self._static_only:
+            if base in self._static_only:
                 return None
-            return tuple(
-                tuple(d for d in range(len(shape)) if (i, d) in varied)
+            # torch fixes a symbol whose example size is 0 or 1: such a call gets a graph
+            # for its shapes, and the key keeps its symbolic graphs for the others
+            dims = tuple(
+                tuple(d for d, n in enumerate(shape) if (i, d) in varied and n > 1)
                 for i, shape in enumerate(shapes)
             )
+            return dims if any(dims) else None
 
     def static_only(self, base: Any) -> None:
         """Symbolic traces fail (or specialise) for `base`: one graph per shape from now on."""

@@ -338,7 +338,7 @@ class ModuleEngine:
             return self._keys.key(grad, call.signature, shapes, requires, autocast)
         key = self._keys.key(grad, call.signature, None, requires, autocast)
         if hot is not None:  # the graph traced for exactly these shapes
-            return self._sizes.key_of(key, SizeGuards(hot))
+            return self._sizes.exact(key, hot)
         # the graph whose size guards admit the call, else (a miss) the call's shapes
         found = self._sizes.classify(key, call.shapes(), self._cache.holds)
         return found if found is not None else dataclasses.replace(key, shapes=call.shapes())

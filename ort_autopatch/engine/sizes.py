@@ -48,7 +48,6 @@ _OPS = (
     ast.Mult,
     ast.FloorDiv,
     ast.Mod,
-    ast.Pow,
     ast.Compare,
     ast.Eq,
     ast.NotEq,
@@ -203,6 +202,7 @@ class SizeClasses:
         self._seen: dict[Hashable, Shapes] = {}  # base key -> the first shapes built for
         self._varied: dict[Hashable, set[tuple[int, int]]] = {}  # base -> (input, dim)
         self._static_only: set[Hashable] = set()  # symbolic traces failed for this base
+        self._exact: dict[tuple[Hashable, Shapes], Any] = {}  # see `exact`
 
     def classify(self, base: Any, shapes: Shapes, held: Callable[[Any], bool]) -> Any | None:
         """The key of the first graph of `base` whose guards admit `shapes`, or None. A
@@ -236,6 +236,14 @@ class SizeClasses:
 
     def key_of(self, base: Any, guards: SizeGuards) -> Any:
         return dataclasses.replace(base, shapes=guards.token)
+
+    def exact(self, base: Any, shapes: Shapes) -> Any:
+        """The key of the graph traced for exactly `shapes` (a shape that earned its graph,
+        asked on each of its calls: one key object per base and shapes)."""
+        found = self._exact.get((base, shapes))
+        if found is None:
+            found = self._exact[(base, shapes)] = self.key_of(base, SizeGuards(shapes))
+        return found
 
     def add(self, base: Any, guards: SizeGuards) -> Any:
         """File a graph built for `base` with `guards`; its key."""
@@ -282,6 +290,7 @@ class SizeClasses:
             self._families.clear()
             self._guards.clear()
             self._last.clear()
+            self._exact.clear()
 
     def _drop(self, base: Any, key: Any) -> None:
         with self._lock:

@@ -59,6 +59,46 @@ def test_calls_within_tolerance_verify_with_their_differences() -> None:
     assert 0 < result.output_rel < verify.RTOL and 0 < result.grad_rel < verify.RTOL
 
 
+class _Biased(torch.nn.Module):
+    """A layer whose `bias` gradient is zero in exact arithmetic; `leak` gives it one without
+    changing the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+        self.bias = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor, leak: float) -> torch.Tensor:
+        leaked = self.bias * leak
+        return self.linear(x) + (leaked - leaked.detach())
+
+
+def _verify_leak(graph_leak: float) -> verify.Verification:
+    torch.manual_seed(0)
+    module = _Biased()
+    x = torch.randn(64, 3) * 100  # weight gradients in the hundreds
+    return verify.verify_call(
+        "Biased",
+        module,
+        lambda tensors: module(tensors[0], graph_leak),
+        lambda tensors: module(tensors[0], 0.0),
+        [x],
+        list(module.parameters()),
+        True,
+    )
+
+
+def test_a_gradient_both_sides_leave_at_rounding_noise_matches() -> None:
+    result = _verify_leak(1e-5)  # bias gradient ~1e-4 against eager's 0: beyond 1e-6
+    assert result.mismatch is None
+    assert result.grad_diff > verify.ATOL
+
+
+def test_a_gradient_the_graph_makes_larger_than_rounding_noise_is_a_mismatch() -> None:
+    with pytest.raises(verify.VerificationError, match="gradient 0 differs"):
+        _verify_leak(1.0)
+
+
 def test_a_wrong_output_is_a_verification_error_and_the_module_is_unchanged() -> None:
     module = torch.nn.Linear(3, 2)
     weight = module.weight.detach().clone()

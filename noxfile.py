@@ -10,7 +10,9 @@
   models) on torch 2.14.1 with torchvision 0.29.1.
 - `tests_torch215`: the whole suite on torch 2.15 (a download of several GB; not run by CI).
 - `lint`: ruff, ruff format, mypy and the README's generated tables (options, benchmarks).
-- `bench`: every benchmark; results in benchmarks/results/*.json.
+- `bench`: every benchmark; results in benchmarks/results/*.json. It then runs `bench_plain`.
+- `bench_plain`: the engine benchmark on the plain backend (latest onnxruntime), plain.json;
+  README's engine table, both backends side by side.
 - `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.
 - `soak`: every reliability scenario, the 2000-step soak included; README's reliability table.
 """
@@ -188,6 +190,18 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/render_engine.py")
     session.run("python", "benchmarks/render_zoo.py")
     session.run("python", "benchmarks/render_report.py")
+    session.notify("bench_plain")  # renders README's engine table again, with its numbers
+
+
+@nox.session(python=PYTHON)
+def bench_plain(session: nox.Session) -> None:
+    """The engine benchmark on the plain backend (`nox -s bench` runs it): the training
+    build's models, the CNN among them, in the plain backend's environment (the two builds
+    cannot share one); README's engine table then shows both backends."""
+    session.install(TORCH)
+    session.install("-e", ".[cpu]", "psutil")
+    session.run("python", "benchmarks/bench_plain.py", *session.posargs)
+    session.run("python", "benchmarks/render_engine.py")
 
 
 # The whole zoo, timed with one thread on each side: tiny models measure per-operator overhead,

@@ -1,7 +1,8 @@
 """Step time, first-call time and peak memory of ModuleEngine against eager PyTorch.
 
     python benchmarks/bench_engine.py [--steps 50] [--min-seconds 5] [--warmup 10]
-                                      [--threads 1,2] [--models mlp,transformer,transformer_p0]
+                                      [--threads 1,2] [--models mlp,transformer,transformer_p0,cnn]
+                                      [--backend ort-training|ort] [--output PATH]
 
 A step is forward + loss + backward + AdamW step. Eager and engine steps are interleaved in one
 process (so both see the same machine load), in pairs whose order alternates, and the medians of
@@ -12,6 +13,10 @@ build + session + the first step) is measured in a fresh subprocess of this scri
 Runtime's import and the exporter's first-use warm-up are counted as a user pays them; the first
 call of a second model instance in the already-warm main process is reported as well. Peak RSS
 comes from the fresh subprocesses (eager-only and engine), so the two are comparable.
+
+`--backend` picks the engine's backend (EngineOptions.backend): the training build by default;
+`benchmarks/bench_plain.py` is this benchmark on the plain backend (`ort`), in the environment
+that has it (`nox -s bench_plain`), with its results in plain.json.
 
 Results: benchmarks/results/engine.json, and a table on stdout.
 """
@@ -76,17 +81,33 @@ def _transformer(
     return layer, (x,), lambda out: (out * out).mean()
 
 
+def _cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 16 * 16, 10),
+    )
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    return model, (x,), lambda out: F.cross_entropy(out, y)
+
+
 MODELS: dict[
     str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]]
 ] = {
     "mlp": _mlp,
     "transformer": _transformer,
     "transformer_p0": lambda: _transformer(0.0),
+    "cnn": _cnn,
 }
 DESCRIPTIONS = {
     "mlp": "MLP 512-512-10, batch 64",
     "transformer": "TransformerEncoderLayer d256 h4 ff1024 dropout 0.1, x(16,64,256)",
     "transformer_p0": "TransformerEncoderLayer d256 h4 ff1024 dropout 0, x(16,64,256)",
+    "cnn": "Conv3-16 + BatchNorm + ReLU + MaxPool + Linear, x(8,3,32,32)",
 }
 
 
@@ -116,16 +137,21 @@ def _rss_mb() -> float:
 
 
 # --- child: a fresh interpreter measuring one side ----------------------------------------------
-def child(model_name: str, side: str, steps: int) -> dict[str, Any]:
+def _engine(model: nn.Module, backend: str) -> Any:
+    from ort_autopatch.engine import ModuleEngine
+    from ort_autopatch.engine.recipe import EngineOptions
+
+    return ModuleEngine(model, EngineOptions(backend=backend))
+
+
+def child(model_name: str, side: str, steps: int, backend: str) -> dict[str, Any]:
     start = time.perf_counter()
     model, inputs, loss_fn = MODELS[model_name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rss_before = _rss_mb()
     result: dict[str, Any] = {"model": model_name, "side": side}
     if side == "engine":
-        from ort_autopatch.engine import ModuleEngine
-
-        engine = ModuleEngine(model)
+        engine = _engine(model, backend)
         call: Callable[..., Any] = engine
     else:
         call = model
@@ -162,7 +188,7 @@ def child(model_name: str, side: str, steps: int) -> dict[str, Any]:
     return result
 
 
-def run_child(model_name: str, side: str, steps: int) -> dict[str, Any]:
+def run_child(model_name: str, side: str, steps: int, backend: str) -> dict[str, Any]:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -171,6 +197,8 @@ def run_child(model_name: str, side: str, steps: int) -> dict[str, Any]:
         side,
         "--child-steps",
         str(steps),
+        "--backend",
+        backend,
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -184,16 +212,14 @@ def run_child(model_name: str, side: str, steps: int) -> dict[str, Any]:
 
 # --- parent: interleaved steady-state steps ---------------------------------------------------
 def interleaved(
-    model_name: str, steps: int, warmup: int, min_seconds: float = 0.0
+    model_name: str, steps: int, warmup: int, min_seconds: float = 0.0, backend: str = "auto"
 ) -> dict[str, Any]:
     import copy
-
-    from ort_autopatch.engine import ModuleEngine
 
     model, inputs, loss_fn = MODELS[model_name]()
     eager_model = copy.deepcopy(model)
     engine_model = copy.deepcopy(model)
-    engine = ModuleEngine(engine_model)
+    engine = _engine(engine_model, backend)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4)
     engine_opt = torch.optim.AdamW(engine_model.parameters(), lr=1e-4)
 
@@ -220,7 +246,7 @@ def interleaved(
 
     # A second instance of the same class in this warm process: what a second model pays.
     second, _, _ = MODELS[model_name]()
-    second_engine = ModuleEngine(second)
+    second_engine = _engine(second, backend)
     second_opt = torch.optim.AdamW(second.parameters(), lr=1e-4)
     s = time.perf_counter()
     _step(second_engine, second_opt, inputs, loss_fn)
@@ -257,9 +283,14 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    backend: str = "ort-training",
+    output: Path = RESULTS,
+    doc: str | None = __doc__,
+) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=50, help="at least this many step pairs")
     parser.add_argument(
@@ -269,15 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         help="and step pairs for at least this long, per model and thread count",
     )
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--models", default="mlp,transformer,transformer_p0")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--backend", default=backend, choices=("ort-training", "ort"))
+    parser.add_argument("--output", type=Path, default=output)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "SIDE"), help=argparse.SUPPRESS)
     parser.add_argument("--child-steps", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.child_steps)))
+        print(json.dumps(child(args.child[0], args.child[1], args.child_steps, args.backend)))
         return 0
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -287,11 +319,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from ort_autopatch.engine import runtime
 
+    reason = runtime.unavailable_reason(args.backend)
+    if reason is not None:
+        parser.error(f"backend {args.backend} cannot run here: {reason}")
     report: dict[str, Any] = {
         "environment": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "onnxruntime": runtime.version(),
+            "backend": args.backend,
+            "onnxruntime": runtime.version(args.backend),
             "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
@@ -306,24 +342,26 @@ def main(argv: list[str] | None = None) -> int:
     default_threads = torch.get_num_threads()
     # The ATen executor is compiled once per torch install, on the first CPU training graph
     # that wants it: timed here on its own, so the first calls below are every later run's.
-    from ort_autopatch.engine.torch_in_graph import aten_executor
+    # (the plain backend's graphs call no ATen executor)
+    if args.backend == "ort-training":
+        from ort_autopatch.engine.torch_in_graph import aten_executor
 
-    start = time.perf_counter()
-    folder = aten_executor.default_folder()
-    built = aten_executor.build(folder) if aten_executor.compiler() else None
-    report["environment"]["aten_executor"] = {
-        "path": str(built),
-        "seconds": time.perf_counter() - start,  # ~0 when it was cached already
-    }
+        start = time.perf_counter()
+        folder = aten_executor.default_folder()
+        built = aten_executor.build(folder) if aten_executor.compiler() else None
+        report["environment"]["aten_executor"] = {
+            "path": str(built),
+            "seconds": time.perf_counter() - start,  # ~0 when it was cached already
+        }
     report["environment"]["load_average"] = os.getloadavg()
     for name in names:
-        fresh_engine = run_child(name, "engine", 5)
-        fresh_eager = run_child(name, "eager", 5)
+        fresh_engine = run_child(name, "engine", 5, args.backend)
+        fresh_eager = run_child(name, "eager", 5, args.backend)
         per_threads = {}
         for threads in thread_counts:
             torch.set_num_threads(threads)
             per_threads[str(threads)] = interleaved(
-                name, args.steps, args.warmup, args.min_seconds
+                name, args.steps, args.warmup, args.min_seconds, args.backend
             )
         torch.set_num_threads(default_threads)
         # the top-level numbers (read by render_report.py) are the default thread count's
@@ -361,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(report: dict[str, Any]) -> None:
     env = report["environment"]
     print(
-        f"{env['date']}: torch {env['torch']}, onnxruntime {env['onnxruntime']}, "
+        f"{env['date']}: torch {env['torch']}, backend {env.get('backend')}, "
+        f"onnxruntime {env['onnxruntime']}, "
         f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}, medians of at least {env['steps']} step "
         f"pairs and {env['min_seconds']:.0f} s after {env['warmup']} warm-up, load average "
         f"{env['load_average'][0]:.2f} -> {env['load_average_after'][0]:.2f}"
@@ -397,11 +436,12 @@ def _print_table(report: dict[str, Any]) -> None:
             f"{rss['eager']:>12.0f} / {rss['engine']:<10.0f}",
         ]
         print(" ".join(cells))
-    executor = env["aten_executor"]
-    print(
-        f"ATen executor (built once per torch install, before the first calls above): "
-        f"{executor['seconds']:.1f} s, {executor['path']}"
-    )
+    executor = env.get("aten_executor")
+    if executor is not None:
+        print(
+            f"ATen executor (built once per torch install, before the first calls above): "
+            f"{executor['seconds']:.1f} s, {executor['path']}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Regenerate README's engine benchmark table (between `<!-- engine:start -->` and
-`<!-- engine:end -->`) from benchmarks/results/engine.json, so the README's headline numbers are
+`<!-- engine:end -->`) from benchmarks/results/engine.json (the training build, `ort-training`)
+and plain.json (the plain backend, `ort`), side by side, so the README's headline numbers are
 those of the last `nox -s bench` run; nothing else in README.md changes.
 
     python benchmarks/render_engine.py [--check]
@@ -19,35 +20,54 @@ import render_zoo  # beside this script: its README splice
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "engine.json"
+PLAIN = ROOT / "benchmarks" / "results" / "plain.json"
 README = ROOT / "README.md"
 START, END = "<!-- engine:start -->", "<!-- engine:end -->"
 
 
-def _ratio(model: dict[str, Any], threads: str) -> str:
-    run = model.get("threads", {}).get(threads)
+def _ratio(model: dict[str, Any] | None, threads: str) -> str:
+    run = (model or {}).get("threads", {}).get(threads)
     return "" if run is None else f"{run['ratio_engine_over_eager']:.2f}"
 
 
-def table(results: dict[str, Any]) -> str:
-    """The markdown block: one row per model, and where the numbers come from."""
+def _first(model: dict[str, Any] | None) -> str:
+    first = (model or {}).get("first_call_fresh_process_s")
+    return "" if first is None else f"{first:.2f} s"
+
+
+def _source(results: dict[str, Any], file: str, build: str) -> str:
     env = results["environment"]
+    loads = [*env["load_average"], *env.get("load_average_after", [])]
+    low, high = min(loads), max(loads)
+    return (
+        f"{file} of {env['date']}: {build} {env['onnxruntime']}, load average {low:.1f} to "
+        f"{high:.1f}"
+    )
+
+
+def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
+    """The markdown block: one row per model, each backend's ratios and first call, and where
+    the numbers come from."""
     lines = [
-        "| model | step time ORT/eager, 1 thread | 2 threads | first call |",
-        "|---|---|---|---|",
+        "| model | `ort-training` 1 thread | 2 threads | first call "
+        "| `ort` 1 thread | 2 threads | first call |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for model in results["models"].values():
-        first = model.get("first_call_fresh_process_s")
-        shown = "" if first is None else f"{first:.2f} s"
-        lines.append(
-            f"| {model['description']} | {_ratio(model, '1')} | {_ratio(model, '2')} | {shown} |"
-        )
-    low, high = min(env["load_average"]), max(env["load_average"])
+    names = list(training["models"]) + [n for n in plain["models"] if n not in training["models"]]
+    for name in names:
+        ours, theirs = training["models"].get(name), plain["models"].get(name)
+        description = (ours or theirs or {})["description"]
+        cells = [_ratio(ours, "1"), _ratio(ours, "2"), _first(ours)]
+        cells += [_ratio(theirs, "1"), _ratio(theirs, "2"), _first(theirs)]
+        lines.append(f"| {description} | {' | '.join(cells)} |")
+    env = training["environment"]
     lines.append("")
     lines.append(
-        f"Run of {env['date']} (`benchmarks/results/engine.json`; torch {env['torch']}, "
-        f"onnxruntime-training {env['onnxruntime']}, {env['cpu_count']} CPUs, load average "
-        f"{low:.1f} to {high:.1f}). First call: export, gradient build and session in a fresh "
-        "process."
+        "Step time ORT/eager; first call: capture or export, gradient graph and sessions (the "
+        "`ort` backend's first call also runs eagerly for its check) in a fresh process. "
+        f"torch {env['torch']}, {env['cpu_count']} CPUs; "
+        f"{_source(training, '`engine.json`', 'onnxruntime-training')}; "
+        f"{_source(plain, '`plain.json`', 'onnxruntime')}."
     )
     return "\n".join(lines)
 
@@ -61,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     current = README.read_text(encoding="utf-8")
-    updated = render(current, table(json.loads(RESULTS.read_text())))
+    updated = render(current, table(json.loads(RESULTS.read_text()), json.loads(PLAIN.read_text())))
     if args.check:
         if updated != current:
             print("README.md's engine table is stale; run python benchmarks/render_engine.py")

@@ -3,9 +3,15 @@ device, then BERT-base and GPT-2 small training steps (batch 8, sequence 128) ea
 and fp16 autocast.
 
     python benchmarks/gpu_bench.py --out DIR [--device cuda] [--tiny] [--steps 10]
+                                   [--backend ort-training|ort]
 
-`--device cpu --tiny` runs the same code with tiny configurations (how it is tested without a
-GPU). Writes DIR/gpu_parity.json and DIR/gpu_steps.json; exit status 1 when a parity entry fails.
+It runs on the backend this environment has (the two builds cannot share one); `--backend`
+makes sure that is the one meant (exit status 2 otherwise), and every result names it.
+First the engine benchmark's models (and a module whose second output no loss reads) for 3
+SGD steps through the engine against eager on the device. `--device cpu --tiny` runs the
+same code with tiny configurations (how it is tested without a GPU). Writes
+DIR/gpu_engine_models.json, DIR/gpu_parity.json and DIR/gpu_steps.json; exit status 1 when
+an engine model or a parity entry fails.
 """
 
 from __future__ import annotations
@@ -26,12 +32,105 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ort_autopatch.engine import ModuleEngine  # noqa: E402
+from ort_autopatch.engine import ModuleEngine, runtime  # noqa: E402
+from ort_autopatch.engine.recipe import EngineOptions  # noqa: E402
 from tests.zoo import harness  # noqa: E402
 from tests.zoo.models import ENTRIES  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_engine  # noqa: E402  (its models)
 
-def parity(device: str) -> list[dict[str, Any]]:
+
+class _TwoHeads(torch.nn.Module):
+    """Two outputs, the loss reads the first: the second's gradient is zero-filled (on the
+    outputs' device) before the backward graph runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(64, 64)
+        self.first = torch.nn.Linear(64, 10)
+        self.second = torch.nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.body(x))
+        return self.first(h), self.second(h)
+
+
+def _engine_cases() -> dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]]:
+    def bench(name: str) -> Callable[[], tuple[torch.nn.Module, torch.Tensor]]:
+        def make() -> tuple[torch.nn.Module, torch.Tensor]:
+            model, inputs, _ = bench_engine.MODELS[name]()
+            return model, inputs[0]
+
+        return make
+
+    cases = {name: bench(name) for name in ("mlp", "transformer_p0", "cnn")}
+    cases["two_heads"] = lambda: (_TwoHeads(), torch.randn(32, 64))
+    return cases
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference relative to the largest eager value, or to 1e-3 when that is
+    smaller (zero-initialised biases that three steps moved by 1e-8)."""
+    scale = max(float(expected.detach().abs().max()), 1e-3)
+    return float((actual.detach() - expected.detach()).abs().max()) / scale
+
+
+def engine_models(device: str, backend: str, steps: int = 3) -> list[dict[str, Any]]:
+    """The engine benchmark's models (and `_TwoHeads`), `steps` SGD steps through the engine
+    against eager on `device`: losses, parameters and buffers (BatchNorm's statistics,
+    written back on the device), relative to each eager tensor's largest value. SGD, not
+    Adam: Adam's step has the size of the learning rate whatever the gradient, so a gradient
+    that is rounding noise (a convolution's bias before BatchNorm) moves its parameter as far
+    as a real one. 1e-3: on Ampere and newer, ORT's CUDA kernels may compute float32 matmuls
+    in TF32."""
+    import copy
+
+    rows = []
+    for name, make in _engine_cases().items():
+        row: dict[str, Any] = {"model": name, "backend": backend}
+        try:
+            torch.manual_seed(0)
+            model, x = make()
+            model, x = model.to(device).train(), x.to(device)
+            eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+            engine = ModuleEngine(ours, EngineOptions(backend=backend))
+            worst = 0.0
+            sides = [(eager, eager), (engine, ours)]
+            optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for _, m in sides]
+            for _ in range(steps):
+                losses = []
+                for (call, _), opt in zip(sides, optimizers, strict=True):
+                    out = call(x)
+                    first = out[0] if isinstance(out, tuple) else out
+                    loss = first.float().pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    losses.append(loss.detach())
+                    row["output_device"] = str(first.device)
+                worst = max(worst, _rel(losses[1], losses[0]))
+            for a, e in zip(
+                [*ours.parameters(), *ours.buffers()],
+                [*eager.parameters(), *eager.buffers()],
+                strict=True,
+            ):
+                if a.is_floating_point():
+                    worst = max(worst, _rel(a, e))
+            row["max_rel_diff"] = worst
+            row["graphs_built"] = len(engine.records)
+            ran = engine.records and row["output_device"].startswith(device)
+            row["status"] = "ok" if ran and worst <= 1e-3 else "mismatch" if ran else "eager"
+        except Exception as exc:
+            row["status"] = "failed"
+            row["reason"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            traceback.print_exc()
+        print(f"engine {name} ({backend}): {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def parity(device: str, backend: str) -> list[dict[str, Any]]:
     rows = []
     for entry in ENTRIES:
         try:
@@ -39,9 +138,11 @@ def parity(device: str) -> list[dict[str, Any]]:
         except Exception as exc:  # one broken entry must not hide the others
             result = {"model": entry.name, "status": "error", "reason": repr(exc)[:500]}
         result["expected_fallback"] = entry.expect_fallback
+        result["backend"] = backend
         rows.append(result)
         print(
-            f"parity {entry.name}: {result['status']} {result.get('reason', '')[:120]}", flush=True
+            f"parity {entry.name} ({backend}): {result['status']} {result.get('reason', '')[:120]}",
+            flush=True,
         )
     return rows
 
@@ -75,12 +176,13 @@ def _sync(device: str) -> None:
 
 
 def steps(
-    device: str, tiny: bool, count: int, batch: int = 8, length: int = 128
+    device: str, tiny: bool, count: int, backend: str, batch: int = 8, length: int = 128
 ) -> list[dict[str, Any]]:
     rows = []
     for name, build in _models(tiny).items():
         for precision in ("fp32", "fp16"):
             row: dict[str, Any] = {"model": name, "precision": precision, "batch": batch}
+            row["backend"] = backend
             row["sequence"] = length
             try:
                 torch.manual_seed(0)
@@ -88,7 +190,11 @@ def steps(
                 vocab = int(model.config.vocab_size)
                 ids = torch.randint(0, vocab, (batch, length), device=device)
                 for side in ("eager", "ort"):
-                    call: Callable[..., Any] = model if side == "eager" else ModuleEngine(model)
+                    call: Callable[..., Any] = (
+                        model
+                        if side == "eager"
+                        else ModuleEngine(model, EngineOptions(backend=backend))
+                    )
                     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                     times = []
                     for k in range(count + 3):
@@ -124,14 +230,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--backend", choices=runtime.BACKENDS, help="the one expected here")
     args = parser.parse_args(argv)
+    backend = runtime.resolve("auto")
+    if backend is None or args.backend not in (None, backend):
+        why = runtime.unavailable_reason(args.backend or "auto")
+        print(f"gpu_bench: backend {args.backend or 'auto'} cannot run here: {why}")
+        return 2
+    print(f"gpu_bench: backend {backend}, onnxruntime {runtime.version(backend)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    ok = True
+    models = engine_models(args.device, backend)
+    (args.out / "gpu_engine_models.json").write_text(json.dumps(models, indent=1) + "\n")
+    ok = all(r["status"] == "ok" for r in models)
     if not args.skip_parity:
-        rows = parity(args.device)
+        rows = parity(args.device, backend)
         (args.out / "gpu_parity.json").write_text(json.dumps(rows, indent=1) + "\n")
-        ok = all(r["status"] == ("fallback" if r["expected_fallback"] else "ort") for r in rows)
-    timings = steps(args.device, args.tiny, args.steps)
+        ok = ok and all(
+            r["status"] == ("fallback" if r["expected_fallback"] else "ort") for r in rows
+        )
+    timings = steps(args.device, args.tiny, args.steps, backend)
     (args.out / "gpu_steps.json").write_text(json.dumps(timings, indent=1) + "\n")
     return 0 if ok else 1
 

@@ -382,6 +382,22 @@ def test_batchnorm_with_a_cumulative_average_trains_like_eager() -> None:
     assert "forward" not in model[1].__dict__
 
 
+def test_outputs_are_fetched_to_cuda_as_onnx_runtime_names_the_device() -> None:
+    # ORT 1.2x keys CUDA allocators by vendor too: a fetch device without NVIDIA's id names
+    # no allocator of the CUDA provider (the name is built without a GPU)
+    from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+    from ort_autopatch.engine import session
+
+    ours = session.ort_device(torch.device("cuda", 1))
+    theirs = OrtDevice.make("cuda", 1)._get_c_device()
+    assert (ours.device_type(), ours.vendor_id(), ours.device_id()) == (
+        theirs.device_type(),
+        theirs.vendor_id(),
+        theirs.device_id(),
+    )
+
+
 def test_an_in_place_weight_change_before_backward_raises_as_in_eager() -> None:
     """Backward reads the weight's transpose, which forward made: the weight itself is saved
     so that autograd's version check raises eager's error instead of using the old values."""

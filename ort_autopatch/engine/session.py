@@ -153,10 +153,23 @@ def _providers(device: torch.device, stream: Any = None) -> list[Any]:
     )
 
 
+_NVIDIA = 0x10DE  # the PCI vendor id ONNX Runtime's CUDA allocators are keyed by
+
+
 def ort_device(device: torch.device) -> Any:
+    """ORT's name for `device`: where a run puts its outputs (fetch devices).
+
+    ONNX Runtime 1.2x keys its allocators by vendor as well (its own `OrtDevice.make("cuda")`
+    passes NVIDIA's id); a CUDA device without it names no allocator of the CUDA provider. The
+    training build's 1.19.2 has no vendor argument."""
     _, capi = runtime.load(training=False)
-    kind = capi.OrtDevice.cuda() if device.type == "cuda" else capi.OrtDevice.cpu()
-    return capi.OrtDevice(kind, capi.OrtDevice.default_memory(), device.index or 0)
+    memory, index = capi.OrtDevice.default_memory(), device.index or 0
+    if device.type != "cuda":
+        return capi.OrtDevice(capi.OrtDevice.cpu(), memory, index)
+    try:
+        return capi.OrtDevice(capi.OrtDevice.cuda(), memory, _NVIDIA, index)
+    except TypeError:  # 1.19.2: (type, memory, index) only
+        return capi.OrtDevice(capi.OrtDevice.cuda(), memory, index)
 
 
 def compute_stream(device: torch.device) -> Any:

@@ -4,6 +4,7 @@ refused with the dtype named, and a gradient builder that aborts takes only a ch
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -120,42 +121,20 @@ def test_sandbox_returns_results_and_carries_errors_back() -> None:
         sandbox.run(lambda: 1 / 0)
 
 
-_PREPARED: list[str] = []
-
-
-def _prepare() -> None:
-    _PREPARED.append("child")
-
-
-def _prepared() -> list[str]:
-    return list(_PREPARED)
-
-
 @pytest.mark.skipif(not sandbox.available(), reason="needs fork")
-def test_a_prestarted_child_runs_its_step_after_its_setup_and_only_there() -> None:
-    child = sandbox.prestart(_prepare)
-    assert child is not None
-    assert child.run(_prepared) == ["child"]
-    assert _PREPARED == []
-
-
-@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
-def test_a_prestarted_child_reports_an_abort_with_its_signal() -> None:
-    child = sandbox.prestart(_prepare)
-    assert child is not None
-    with pytest.raises(sandbox.Crashed) as caught:
-        child.run(os.abort)
-    assert caught.value.signal_name == "SIGABRT"
-
-
-@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
-def test_a_cancelled_prestarted_child_is_killed_and_reaped() -> None:
-    child = sandbox.prestart(_prepare)
-    assert child is not None
-    pid = child._pid
-    child.cancel()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+def test_a_child_whose_result_arrived_is_reaped_without_being_waited_for() -> None:
+    """The result is returned once it has arrived; the child's exit is reaped meanwhile (it
+    unmaps its copy of this process's memory, milliseconds nobody needs to wait for)."""
+    pid = sandbox.run(os.getpid)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            reaped_here, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # the sandbox reaped it: no zombie left behind
+        assert reaped_here == 0, "the child was left for someone else to reap"
+        time.sleep(0.01)
+    raise AssertionError("the child never exited")
 
 
 @pytest.mark.skipif(not sandbox.available(), reason="needs fork")
@@ -175,28 +154,24 @@ _FRESH_DIAGONAL = """
 import torch
 from torch import nn
 from ort_autopatch import patcher, report
-from ort_autopatch.engine import sandbox
 from tests.test_build_safety import Diagonal, _train_both
 
-prestarted = []
-original = sandbox.prestart
-sandbox.prestart = lambda prepare: prestarted.append(1) or original(prepare)
 patcher.patch(Diagonal)
 _train_both(Diagonal, torch.float32)
 stats = report.stats_for(patcher.class_name(Diagonal))
-print(len(prestarted), stats.ort_calls, sum(stats.eager_calls.values()))
+print(stats.ort_calls, sum(stats.eager_calls.values()))
 """
 
 
 @pytest.mark.skipif(not sandbox.available(), reason="the gradient build runs in a forked child")
-def test_a_fresh_process_prestarts_its_first_gradient_child_and_survives_its_abort() -> None:
-    """A fresh process forks its first gradient-build child before the export (the child
-    imports ONNX Runtime meanwhile); that child's abort on `torch.diagonal` costs only it."""
+def test_a_fresh_process_survives_its_first_gradient_childs_abort() -> None:
+    """A fresh process imports ONNX Runtime before forking its first gradient-build child; that
+    child's abort on `torch.diagonal` costs only it, and the static-shape retry runs in ORT."""
     from tests.proc_helpers import PY, REPO, run
 
     done = run([PY, "-c", _FRESH_DIAGONAL], cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-3:] == ["1", "3", "0"], done.stdout
+    assert done.stdout.split()[-2:] == ["3", "0"], done.stdout
 
 
 def test_a_crashed_gradient_build_falls_back_with_the_reason(

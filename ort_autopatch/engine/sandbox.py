@@ -9,6 +9,7 @@ import pickle
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -46,13 +47,8 @@ def available() -> bool:
     return hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
-def run(
-    step: Callable[[], T],
-    meanwhile: Callable[[], None] | None = None,
-    child: Prestarted | None = None,
-) -> T:
-    """`step()` in a forked child (`child`, when one was prestarted); its result comes back
-    pickled.
+def run(step: Callable[[], T], meanwhile: Callable[[], None] | None = None) -> T:
+    """`step()` in a forked child; its result comes back pickled.
 
     `meanwhile()` runs here while the child works (the second core is otherwise idle while this
     process waits): first-use work the caller needs next. Its exception, if any, is raised once
@@ -60,8 +56,6 @@ def run(
     `step` raised there. Falls back to running `step` here when forking is not possible or the
     child hangs.
     """
-    if child is not None:
-        return child.run(step, meanwhile)
     if not available():
         if meanwhile is not None:
             meanwhile()
@@ -101,97 +95,10 @@ def _result(outcome: tuple[bytes, str, int | None], step: Callable[[], T]) -> T:
     return result
 
 
-class Prestarted:
-    """A forked child that ran its setup ahead and waits for its one step (`prestart`)."""
-
-    def __init__(self, pid: int, task_write: int, result_read: int, error_read: int) -> None:
-        self._pid = pid
-        self._task_write = task_write
-        self._result_read = result_read
-        self._error_read = error_read
-        self._done = False
-
-    def run(self, step: Callable[[], T], meanwhile: Callable[[], None] | None = None) -> T:
-        """`step()` in the child, as `run` does it (`step` is pickled: a module-level function
-        or a `functools.partial` of one); callable once."""
-        self._done = True
-        try:
-            try:
-                data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-                _write_all(self._task_write, len(data).to_bytes(8, "little") + data)
-            except BrokenPipeError:
-                pass  # the child died in its setup: its status says how
-            os.close(self._task_write)
-            try:
-                if meanwhile is not None:
-                    meanwhile()
-            finally:
-                outcome = _collect(self._pid, self._result_read, self._error_read)
-        finally:
-            self._close()
-        return _result(outcome, step)
-
-    def cancel(self) -> None:
-        """Kill the child unless its task ran; the task is never run then."""
-        if self._done:
-            return
-        self._done = True
-        os.kill(self._pid, signal.SIGKILL)
-        os.waitpid(self._pid, 0)
-        os.close(self._task_write)
-        self._close()
-
-    def _close(self) -> None:
-        os.close(self._result_read)
-        os.close(self._error_read)
-
-
-def prestart(prepare: Callable[[], Any]) -> Prestarted | None:
-    """Fork now a child that runs `prepare()` (a first import, say) while this process goes on,
-    then waits for the step `Prestarted.run` sends and runs it as `run` would. None where
-    forking is not available. An exception of `prepare` is left for the step to meet again."""
-    if not available():
-        return None
-    task_read, task_write = os.pipe()
-    result_read, result_write = os.pipe()
-    error_read, error_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        os.close(task_write)
-
-        def step() -> Any:
-            try:
-                prepare()
-            except Exception:  # the step meets it again, with its reason
-                pass
-            # Sized, not read to EOF: a process forked meanwhile (a DataLoader worker) holds
-            # the pipe's write end too.
-            size = int.from_bytes(_read_exactly(task_read, 8), "little")
-            sent: Callable[[], Any] = pickle.loads(_read_exactly(task_read, size))
-            return sent()
-
-        _child(step, result_read, result_write, error_read, error_write)
-    os.close(task_read)
-    os.close(result_write)
-    os.close(error_write)
-    return Prestarted(pid, task_write, result_read, error_read)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    chunks = []
-    while size:
-        data = os.read(fd, min(size, 1 << 20))
-        if not data:
-            os._exit(0)  # the parent closed the pipe without a task
-        chunks.append(data)
-        size -= len(data)
-    return b"".join(chunks)
 
 
 def _child(
@@ -207,7 +114,11 @@ def _child(
             value: Any = step()
         except BaseException as exc:  # everything goes back to the parent
             value = _Failed(exc)
-        _write_all(result_write, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        _write_all(result_write, len(data).to_bytes(8, "little") + data)
+        # The parent reads to EOF: close now, not at exit (`_collect`).
+        for fd in (result_write, error_write, 2):
+            os.close(fd)
     except BaseException:
         code = 1
     finally:
@@ -215,7 +126,12 @@ def _child(
 
 
 def _collect(pid: int, result_read: int, error_read: int) -> tuple[bytes, str, int | None]:
-    """Read both pipes until the child closes them, then reap it; None status if it hung."""
+    """Read both pipes until the child closes them, then reap it; None status if it hung.
+
+    A child whose whole result arrived has nothing left to do but exit, and its exit first
+    unmaps its share of this process's memory (10-15 ms for a process holding torch): it is
+    reaped by a background thread then, and its status given as a normal exit.
+    """
     chunks: list[bytes] = []
     errors: list[bytes] = []
     open_fds = {result_read: chunks, error_read: errors}
@@ -233,5 +149,21 @@ def _collect(pid: int, result_read: int, error_read: int) -> tuple[bytes, str, i
                 open_fds[fd].append(data)
             else:
                 del open_fds[fd]
+    received = b"".join(chunks)
+    stderr_text = b"".join(errors).decode(errors="replace")
+    size = int.from_bytes(received[:8], "little")
+    if len(received) >= 8 and len(received) == 8 + size:
+        if os.waitpid(pid, os.WNOHANG)[0] == 0:
+            threading.Thread(
+                target=_reap, args=(pid,), name="ort_autopatch-reap", daemon=True
+            ).start()
+        return received[8:], stderr_text, 0
     _, status = os.waitpid(pid, 0)
-    return b"".join(chunks), b"".join(errors).decode(errors="replace"), status
+    return b"", stderr_text, status
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped already (a SIGCHLD handler of the user's)
+        pass

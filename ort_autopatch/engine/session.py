@@ -7,11 +7,10 @@ import contextlib
 import logging
 import os
 import re
-import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,8 +334,8 @@ def build_gradient(
     outputs but kept out of differentiation (the gradient passes, `passes.GRADIENT`, hand them
     out of the gradient graph). `propagate_casts` lets ORT move and merge Casts (ORTModule's
     default); a graph traced under autocast keeps its casts as traced.
-    `meanwhile()` runs in this process while the forked child builds (`sandbox.run`): so does
-    this process's first import of ONNX Runtime, which the child makes for itself.
+    `meanwhile()` runs in this process while the forked child builds (`sandbox.run`). ONNX
+    Runtime is imported here first, so the child inherits it instead of importing it again.
     """
     import onnx
 
@@ -356,11 +355,6 @@ def build_gradient(
         propagate_casts,
     )
 
-    def parent_side() -> None:
-        runtime.load()  # raises RuntimeUnavailableError with its reason before the child's
-        if meanwhile is not None:
-            meanwhile()
-
     remedy = (
         "An operator has no gradient in ONNX Runtime 1.19.2; run this class eagerly "
         "(the default fallback policy does) or exclude it"
@@ -368,8 +362,8 @@ def build_gradient(
     try:
         # In a forked child: ORT's gradient builder aborts the process on some graphs
         # (`torch.diagonal`'s export: a failed libstdc++ assertion), which no fallback catches.
-        child, _ahead.child = getattr(_ahead, "child", None), None
-        gradient_model, info = sandbox.run(build, meanwhile=parent_side, child=child)
+        runtime.load()  # raises RuntimeUnavailableError with its reason, before forking
+        gradient_model, info = sandbox.run(build, meanwhile=meanwhile)
     except RuntimeUnavailableError:
         raise
     except sandbox.Crashed as exc:
@@ -399,8 +393,7 @@ def build_gradient(
 
 @dataclass(frozen=True)
 class _Differentiation:
-    """One call of ORT's gradient builder, as plain data: it crosses a pipe to a prestarted
-    child (`gradient_builder_ahead`)."""
+    """One call of ORT's gradient builder, as plain data (run in a forked child)."""
 
     model_bytes: bytes
     initializer_names: list[str]
@@ -429,31 +422,6 @@ class _Differentiation:
         builder.initialize(self.model_bytes, config)
         builder.build(transformer)
         return builder.get_gradient_model(), _GraphInfo.of(builder.get_graph_info())
-
-
-_ahead = threading.local()  # .child: this thread's prestarted gradient-build child, if any
-
-
-def _import_runtime() -> None:
-    runtime.load()
-
-
-@contextlib.contextmanager
-def gradient_builder_ahead(wanted: bool) -> Iterator[bool]:
-    """Fork the child of this thread's next gradient build now, when this process has not
-    imported ONNX Runtime yet: the child's import (~40 ms) then overlaps the export instead of
-    following it, which is most of a fresh process's first call. Killed if no build used it.
-    Yields whether a child was forked."""
-    child = None
-    if wanted and "onnxruntime" not in sys.modules and getattr(_ahead, "child", None) is None:
-        child = _ahead.child = sandbox.prestart(_import_runtime)
-    try:
-        yield child is not None
-    finally:
-        if child is not None:
-            if getattr(_ahead, "child", None) is child:
-                _ahead.child = None
-            child.cancel()
 
 
 @dataclass

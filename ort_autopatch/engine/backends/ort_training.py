@@ -181,15 +181,10 @@ class TrainingBuild(Backend):
 
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
+        _require_training_build()
         if miss.grad:
             _refuse_untrainable(self.module_class, miss)
-        # A fresh process's first gradient-build child is forked now and imports ORT while the
-        # export runs; this process imports it (and so checks for the training build) while
-        # that child builds.
-        with session.gradient_builder_ahead(miss.grad) as ahead:
-            if not ahead:
-                _require_training_build()
-            return self._build(miss, progress)
+        return self._build(miss, progress)
 
     def _build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
         dynamic = miss.shapes() is None

@@ -605,11 +605,24 @@ def test_buffer_assigned_between_calls_is_read() -> None:
         assert_close(engine(x), eager(x), "output after running_mean.data was assigned")
 
 
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * self.scale
+
+
 def test_parameters_are_wrapped_for_ort_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After the first call only the call's own inputs are wrapped (DLPack) for ORT."""
+    """After the first call only the call's own values are wrapped (DLPack) for ORT: the
+    input in forward; in backward the output's gradient (the plain backend: and the
+    activations forward saved), never a parameter."""
     from ort_autopatch.engine import bridge
 
-    engine = ModuleEngine(Net())
+    net = _Scaled()  # backward reads `scale` itself
+    engine = ModuleEngine(net)
     x = torch.randn(4, 8)
     engine(x).sum().backward()
     wrapped: list[torch.Tensor] = []
@@ -619,17 +632,15 @@ def test_parameters_are_wrapped_for_ort_once(monkeypatch: pytest.MonkeyPatch) ->
         wrapped.append(tensor)
         return real(tensor)
 
-    if PLAIN:
-        from ort_autopatch.engine.plain import program as plumbing
-    else:
-        plumbing = bridge
-    monkeypatch.setattr(plumbing, "to_dlpack", counting)
+    monkeypatch.setattr(bridge, "to_dlpack", counting)
     y = engine(x)
     assert [tuple(t.shape) for t in wrapped] == [(4, 8)]  # forward: the input alone
-    if not PLAIN:  # plain: backward's feeds are the saved values, wrapped at every call
-        y.sum().backward()
-        # forward: the input; backward: the output's gradient
-        assert [tuple(t.shape) for t in wrapped] == [(4, 8), (4, 4)]
+    wrapped.clear()
+    y.sum().backward()
+    parameters = {p.data_ptr() for p in net.parameters()}
+    assert wrapped and not [t for t in wrapped if t.data_ptr() in parameters]
+    if not PLAIN:
+        assert [tuple(t.shape) for t in wrapped] == [(4, 4)]
 
 
 def test_replaced_submodule_is_picked_up() -> None:

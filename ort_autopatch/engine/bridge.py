@@ -88,6 +88,18 @@ class KeptValues:
 
 _NOTHING_KEPT: dict[int, tuple[int, torch.Size, tuple[int, ...], torch.dtype, Any]] = {}
 
+#: The training build's DLPack reader (1.19.2) predates kDLBool: bools travel as uint8 plus a
+#: flag, in and out. The inference build's reads and writes them as they are and takes no flag
+#: (`use_inference_dlpack`). One build per process, so one switch.
+_BOOL_FLAG = True
+
+
+def use_inference_dlpack() -> None:
+    """Move bools as the installed build's DLPack calls want them (the plain backend calls
+    this before its first session)."""
+    global _BOOL_FLAG
+    _BOOL_FLAG = hasattr(runtime.capi().OrtValueVector, "bool_tensor_indices")
+
 
 def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> Any:
     """ORT's vector of the feeds. It runs on every call of every graph: the kept values'
@@ -114,13 +126,15 @@ def _push(tensors: Sequence[torch.Tensor], kept: KeptValues | None = None) -> An
         elif (t.numel() == 0 or 1 in t.shape) and t.stride() != dense_strides(t.shape):
             # contiguous to PyTorch, not to ORT's DLPack reader (`dlpack.py`): inlined here
             t, keeper = t.clone(memory_format=torch.contiguous_format), None
-        # ORT's DLPack reader predates kDLBool: bools travel as uint8 plus a flag.
-        is_bool = t.dtype is torch.bool
-        capsule = to_dlpack(t.view(torch.uint8) if is_bool else t)
+        if _BOOL_FLAG:  # the training build (see `_BOOL_FLAG`)
+            is_bool = t.dtype is torch.bool
+            args: tuple[Any, ...] = (to_dlpack(t.view(torch.uint8) if is_bool else t), is_bool)
+        else:
+            args = (to_dlpack(t),)
         if keeper is None:
-            push(capsule, is_bool)
+            push(*args)
             continue
-        value = runtime.capi().OrtValue.from_dlpack(capsule, is_bool)
+        value = runtime.capi().OrtValue.from_dlpack(*args)
         keeper.keep(k, tensor, value)
         push(value)
     return vector
@@ -157,14 +171,16 @@ def _on_cuda_stream(stream: Any) -> Iterator[Any]:
 
 
 def _tensors(vector: Any, caller: Any = None) -> list[torch.Tensor]:
-    """Zero-copy tensors from an OrtValueVector; bools travel through DLPack as uint8.
+    """Zero-copy tensors from an OrtValueVector; the training build's bools travel through
+    DLPack as uint8.
 
     On CUDA, memory a torch-calling node allocated on the session's stream may come back as
     an output; `record_stream` keeps PyTorch's caching allocator from reusing it while the
     caller's stream still reads it (a no-op for ORT's own buffers)."""
     tensors: list[torch.Tensor] = vector.to_dlpacks(torch._C._from_dlpack)
-    for k in vector.bool_tensor_indices():
-        tensors[k] = tensors[k].to(torch.bool)
+    if _BOOL_FLAG:
+        for k in vector.bool_tensor_indices():
+            tensors[k] = tensors[k].to(torch.bool)
     if caller is not None:
         for tensor in tensors:
             tensor.record_stream(caller)

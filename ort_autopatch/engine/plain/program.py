@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.dlpack import to_dlpack
 
 from ort_autopatch.engine import bridge, rng, runtime, session
-from ort_autopatch.engine.dlpack import dense_strides
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.plain import lowering
 from ort_autopatch.engine.plain.capture import Captured, Feed
@@ -53,7 +51,7 @@ class _Session:
                 self.session._sess.run_with_ortvaluevector(
                     self.run_options,
                     self.feed_names,
-                    _PUSH[0]([values[k] for k in self.feeds], kept),
+                    bridge._push([values[k] for k in self.feeds], kept),
                     self.fetch_names,
                     fetches,
                     self.fetch_devices,
@@ -62,66 +60,11 @@ class _Session:
             raise ExecutionError(
                 cls, f"ONNX Runtime {phase} failed: {session.ort_message(exc)}", "Run eagerly"
             ) from exc
-        got = _TENSORS[0](fetches, caller)
+        got = bridge._tensors(fetches, caller)
         return [
             got[k] if kind == "onnx" else values[k] if kind == "in" else None
             for kind, k in self.outputs
         ]
-
-
-def _push(tensors: Sequence[torch.Tensor], kept: bridge.KeptValues | None) -> Any:
-    """ORT's vector of the feeds (`bridge._push` for the inference build's DLPack calls,
-    which take bools as they are: no uint8 view, no flag)."""
-    capi = runtime.capi()
-    vector = capi.OrtValueVector()
-    vector.reserve(len(tensors))
-    push = vector.push_back
-    values = kept.values if kept is not None else {}
-    for k, tensor in enumerate(tensors):
-        held = values.get(k)
-        if (
-            held is not None
-            and held[0] == tensor.data_ptr()
-            and held[1] == tensor.shape
-            and held[2] == tensor.stride()
-            and held[3] is tensor.dtype
-        ):
-            push(held[4])
-            continue
-        keeper = kept if kept is not None and k in kept.positions else None
-        t = tensor.detach()
-        if not t.is_contiguous():
-            t, keeper = t.contiguous(), None
-        elif (t.numel() == 0 or 1 in t.shape) and t.stride() != dense_strides(t.shape):
-            t, keeper = t.clone(memory_format=torch.contiguous_format), None
-        capsule = to_dlpack(t)
-        if keeper is None:
-            push(capsule)
-            continue
-        value = capi.OrtValue.from_dlpack(capsule)
-        keeper.keep(k, tensor, value)
-        push(value)
-    return vector
-
-
-def _tensors(vector: Any, caller: Any = None) -> list[torch.Tensor]:
-    """Zero-copy tensors from an OrtValueVector (see `bridge._tensors` for `caller`)."""
-    tensors: list[torch.Tensor] = vector.to_dlpacks(torch._C._from_dlpack)
-    if caller is not None:
-        for tensor in tensors:
-            tensor.record_stream(caller)
-    return tensors
-
-
-#: the training build's DLPack calls take bools as uint8 with a flag (`bridge`'s plumbing);
-#: the inference build's take them as they are. Chosen at the first build.
-_PUSH: list[Any] = [_push]
-_TENSORS: list[Any] = [_tensors]
-
-
-def _choose_plumbing() -> None:
-    if hasattr(runtime.capi().OrtValueVector, "bool_tensor_indices"):
-        _PUSH[0], _TENSORS[0] = bridge._push, bridge._tensors
 
 
 def _outputs_for_onnx(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
@@ -265,7 +208,8 @@ class Program:
     lowered: Lowered
     forward: _Session
     backward: _Session | None
-    kept: Any  # bridge.KeptValues of the module's tensors among the feeds
+    kept: Any  # bridge.KeptValues of the module's tensors among forward's feeds
+    backward_kept: Any  # and among backward's (the parameters it reads)
     saves_mutated: frozenset[int]  # buffers backward reads that forward also updates
     #: user output -> its position among the Function's outputs (aliases are not among them)
     tangent_position: dict[int, int]
@@ -292,19 +236,32 @@ def instantiate(
     lowered: Lowered, cls: str, device: torch.device, settings: session.SessionSettings
 ) -> Program:
     """Sessions for both graphs."""
-    _choose_plumbing()
+    bridge.use_inference_dlpack()
     forward = _session_for(lowered.forward, lowered.forward_outputs, cls, device, settings)
     backward = None
     if lowered.backward is not None:
         backward = _session_for(lowered.backward, lowered.backward_outputs, cls, device, settings)
     saved_feeds = {k for kind, k in lowered.backward_inputs if kind == "feed"}
+    saves_mutated = saved_feeds & set(lowered.mutations.values())
+    module_feeds = {k for k, f in enumerate(lowered.feeds) if f.kind != "input"}
+    # Backward reads the module's tensors as forward saw them (saved feeds, or forward outputs
+    # that pass a feed through): the same memory from call to call, so kept as forward's are.
+    # A buffer forward updates is left out: it is saved as a fresh copy.
+    fixed = module_feeds - set(lowered.mutations.values())
+    read_module: set[int] = set()
+    for k, (kind, index) in enumerate(lowered.backward_inputs):
+        if kind == "out":
+            kind, index = lowered.forward_outputs[index]
+        if kind in ("feed", "in") and index in fixed:
+            read_module.add(k)
     return Program(
         cls=cls,
         lowered=lowered,
         forward=forward,
         backward=backward,
-        kept=bridge.KeptValues([k for k, f in enumerate(lowered.feeds) if f.kind != "input"]),
-        saves_mutated=frozenset(saved_feeds & set(lowered.mutations.values())),
+        kept=_kept(forward, module_feeds),
+        backward_kept=_kept(backward, read_module) if backward is not None else None,
+        saves_mutated=frozenset(saves_mutated),
         tangent_position={
             k: position
             for position, k in enumerate(
@@ -312,6 +269,12 @@ def instantiate(
             )
         },
     )
+
+
+def _kept(session: _Session, values: set[int]) -> bridge.KeptValues:
+    """Kept ORT values for the session's feeds that come from `values` (indices into what
+    its caller holds)."""
+    return bridge.KeptValues([j for j, k in enumerate(session.feeds) if k in values])
 
 
 def _forward(
@@ -372,7 +335,7 @@ class PlainTrainingCall(torch.autograd.Function):
                 values.append(grad)
             else:
                 values.append(next(saved))
-        grads = program.backward.run(program.cls, "backward", values, None)
+        grads = program.backward.run(program.cls, "backward", values, program.backward_kept)
         return (None, *grads)
 
 

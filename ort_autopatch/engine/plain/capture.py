@@ -63,7 +63,14 @@ class Captured:
 
 
 class _Flat(torch.nn.Module):
-    """The call as a module of flat tensors in, flat tensors out (the user's module as `m`)."""
+    """The call as a module of flat tensors in, flat tensors out (the user's module as `m`).
+
+    Calling it runs `forward` alone: through `nn.Module.__call__`, the user's global module
+    hooks would fire on this wrapper while the trace runs (backward hooks during its joint
+    backward), calls the user never made."""
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.forward(*tensors)
 
     def __init__(
         self, module: torch.nn.Module, forward: Callable[..., Any], spec: export.CallSpec

@@ -20,7 +20,7 @@ from torch.nn.modules import module as torch_module
 
 from ort_autopatch import patcher
 from ort_autopatch.engine import EngineOptions
-from tests.helpers import assert_close, class_stats, patched
+from tests.helpers import assert_close, class_stats, patched, repatch
 
 
 class Net(nn.Module):
@@ -141,6 +141,17 @@ def test_a_backward_pre_hook_result_replaces_the_output_gradients_before_ort_bac
         model.register_full_backward_hook(
             lambda m, gi, go: seen.append(("full", _detached(gi) + _detached(go))) or None
         )
+
+    _compare(register)
+
+
+def test_a_parameter_gradient_hook_sees_only_the_users_backward() -> None:
+    """The first call of a graph also runs through the graph and eagerly to compare them (the
+    plain backend's check; `--verify` on either backend): neither run fires a hook."""
+    repatch(Net, patcher.Settings(engine=EngineOptions(verify=1)))
+
+    def register(model: Net, seen: Seen) -> None:
+        model.fc.weight.register_hook(lambda g: seen.append(("fc.weight", (g.clone(),))))
 
     _compare(register)
 

@@ -15,9 +15,10 @@ reported as not verified, with the operators named.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +116,26 @@ class _Saved:
             np_random.set_state(self.np_rng)
 
 
+@contextlib.contextmanager
+def _hooks_silenced(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The tensors' own gradient hooks (`Tensor.register_hook`) off: the runs here take
+    gradients of the parameters themselves, and the user's hooks (gradient clipping,
+    logging, counting) must see only the user's backward. Autograd reads each hook dict
+    when it fires, so emptying it and refilling it (in order, same keys: handles still
+    remove) is enough."""
+    emptied: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
+    for tensor in tensors:
+        hooks = tensor._backward_hooks
+        if hooks:
+            emptied.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in emptied:
+            hooks.update(items)
+
+
 def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
 
@@ -172,65 +193,69 @@ def verify_call(
 ) -> Verification:
     """Run the call through the graph and eagerly, compare, restore the user's state.
 
-    `run_graph(tensors)` and `run_eager(tensors)` take the flat input tensors. Raises
-    `VerificationError` on a mismatch (the state is restored first).
+    `run_graph(tensors)` and `run_eager(tensors)` take the flat input tensors. No gradient
+    hook of a parameter fires. Raises `VerificationError` on a mismatch (the state is
+    restored first).
     """
     result = Verification()
     saved = _Saved(module)
-    try:
-        sides = []
-        for run in (run_graph, run_eager):
-            copies = _copies(inputs)
-            with torch.enable_grad() if grad else torch.no_grad():
-                output = run(copies)
-            # Buffers are restored after the backward, not before: eager's BatchNorm saves its
-            # running statistics for backward, and restoring them in place before
-            # `autograd.grad` raised autograd's "modified by an inplace operation".
-            if not grad:
-                saved.restore()
-            leaves = _float_leaves(output)
-            gradients: list[torch.Tensor | None] = []
-            if grad:
-                targets = list(trainable) + [t for t in copies if t.requires_grad]
-                differentiable = [t for t in leaves if t.requires_grad]
-                if targets and differentiable:
-                    gen = torch.Generator(device="cpu").manual_seed(0)
-                    cotangents = [
-                        torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
-                        for t in differentiable
-                    ]
-                    gradients = list(
-                        torch.autograd.grad(differentiable, targets, cotangents, allow_unused=True)
-                    )
-                saved.restore()
-            sides.append(([t.detach() for t in leaves], gradients))
-        (graph_out, graph_grads), (eager_out, eager_grads) = sides
-        if len(graph_out) != len(eager_out):
-            result.mismatch = f"{len(graph_out)} outputs, eager has {len(eager_out)}"
-        for k, (a, e) in enumerate(zip(graph_out, eager_out, strict=False)):
-            diff, rel, beyond = _difference(a, e)
-            result.output_diff, result.output_rel = (
-                max(result.output_diff, diff),
-                max(result.output_rel, rel),
-            )
-            if beyond and result.mismatch is None:
-                result.mismatch = f"output {k} differs by {diff:.3g} (relative {rel:.3g})"
-        zero = _rounding_zero(eager_grads)
-        for k, (ga, ge) in enumerate(zip(graph_grads, eager_grads, strict=False)):
-            if ga is None and ge is None:
-                continue
-            if ga is None:
-                assert ge is not None
-                ga = torch.zeros_like(ge)
-            if ge is None:
-                ge = torch.zeros_like(ga)
-            diff, rel, beyond = _difference(ga, ge, zero)
-            result.grad_diff = max(result.grad_diff, diff)
-            result.grad_rel = max(result.grad_rel, rel)
-            if beyond and result.mismatch is None:
-                result.mismatch = f"gradient {k} differs by {diff:.3g} (relative {rel:.3g})"
-    finally:
-        saved.restore()
+    with _hooks_silenced(trainable):
+        try:
+            sides = []
+            for run in (run_graph, run_eager):
+                copies = _copies(inputs)
+                with torch.enable_grad() if grad else torch.no_grad():
+                    output = run(copies)
+                # Buffers are restored after the backward, not before: eager's BatchNorm saves its
+                # running statistics for backward, and restoring them in place before
+                # `autograd.grad` raised autograd's "modified by an inplace operation".
+                if not grad:
+                    saved.restore()
+                leaves = _float_leaves(output)
+                gradients: list[torch.Tensor | None] = []
+                if grad:
+                    targets = list(trainable) + [t for t in copies if t.requires_grad]
+                    differentiable = [t for t in leaves if t.requires_grad]
+                    if targets and differentiable:
+                        gen = torch.Generator(device="cpu").manual_seed(0)
+                        cotangents = [
+                            torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
+                            for t in differentiable
+                        ]
+                        gradients = list(
+                            torch.autograd.grad(
+                                differentiable, targets, cotangents, allow_unused=True
+                            )
+                        )
+                    saved.restore()
+                sides.append(([t.detach() for t in leaves], gradients))
+            (graph_out, graph_grads), (eager_out, eager_grads) = sides
+            if len(graph_out) != len(eager_out):
+                result.mismatch = f"{len(graph_out)} outputs, eager has {len(eager_out)}"
+            for k, (a, e) in enumerate(zip(graph_out, eager_out, strict=False)):
+                diff, rel, beyond = _difference(a, e)
+                result.output_diff, result.output_rel = (
+                    max(result.output_diff, diff),
+                    max(result.output_rel, rel),
+                )
+                if beyond and result.mismatch is None:
+                    result.mismatch = f"output {k} differs by {diff:.3g} (relative {rel:.3g})"
+            zero = _rounding_zero(eager_grads)
+            for k, (ga, ge) in enumerate(zip(graph_grads, eager_grads, strict=False)):
+                if ga is None and ge is None:
+                    continue
+                if ga is None:
+                    assert ge is not None
+                    ga = torch.zeros_like(ge)
+                if ge is None:
+                    ge = torch.zeros_like(ga)
+                diff, rel, beyond = _difference(ga, ge, zero)
+                result.grad_diff = max(result.grad_diff, diff)
+                result.grad_rel = max(result.grad_rel, rel)
+                if beyond and result.mismatch is None:
+                    result.mismatch = f"gradient {k} differs by {diff:.3g} (relative {rel:.3g})"
+        finally:
+            saved.restore()
     if result.mismatch is not None:
         error = VerificationError(
             cls,

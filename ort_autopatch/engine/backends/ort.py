@@ -23,9 +23,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import bridge, export, runtime, session
 from ort_autopatch.engine.backends import Backend, Progress
 from ort_autopatch.engine.errors import (
+    AutocastUnsupportedError,
     RuntimeUnavailableError,
     UnsupportedInputError,
     UnsupportedModelError,
@@ -100,6 +102,8 @@ class PlainBuild(Backend):
             )
 
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
+        import onnx
+
         from ort_autopatch.engine.plain import capture, decompositions, program
 
         reason = runtime.unavailable_reason("ort")
@@ -120,6 +124,9 @@ class PlainBuild(Backend):
             progress.phase = "lowering to ONNX"
             built = captured, program.lower(captured, cls), SizeGuards(call.shapes())
         captured, lowered, guards = built
+        refusal = amp.cpu_refusal(onnx.load_from_string(lowered.forward), miss.autocast)
+        if refusal is not None:  # ORT would round otherwise than autocast: a known limitation
+            raise AutocastUnsupportedError(cls, refusal, amp.REMEDY)
         names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
         sources: dict[str, tuple[str, Any]] = {}
         for name, feed in zip(names, captured.feeds, strict=True):

@@ -16,9 +16,16 @@ def test_every_declared_backend_is_a_backend_under_its_own_name() -> None:
         assert issubclass(backend, backends.Backend) and backend.name == name
 
 
-def test_auto_picks_the_training_build_where_it_is_installed() -> None:
-    assert TrainingBuild.unavailable() is None
-    assert backends.choose() is TrainingBuild and backends.choose("auto") is TrainingBuild
+def test_auto_picks_the_training_build_where_it_is_installed_else_the_plain_one() -> None:
+    from importlib import metadata
+
+    from ort_autopatch.engine.backends.ort import PlainBuild
+
+    installed = {d.metadata["Name"].lower() for d in metadata.distributions()}
+    training = bool(installed & {"onnxruntime-training", "onnxruntime-training-cpu"})
+    expected = TrainingBuild if training else PlainBuild
+    assert expected.unavailable() is None
+    assert backends.choose() is expected and backends.choose("auto") is expected
 
 
 def test_an_unknown_backend_name_is_refused() -> None:

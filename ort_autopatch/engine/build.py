@@ -66,6 +66,7 @@ class Builder:
         self._persistence = persistence
         self.settings = settings
         self.records: list[BuildRecord] = []
+        self._arena_shapes: tuple[tuple[int, ...], ...] | None = None  # see `_uses_arena`
 
     def build(self, miss: Miss, reason: str) -> Entry:
         """Build the graph of one key: for the call's shapes only when the model specialises
@@ -152,13 +153,29 @@ class Builder:
             build_s,
         )
 
+    def _uses_arena(self, miss: Miss) -> bool:
+        """Whether the graph allocates from the shared arena (`memory_arena`): one that serves
+        input shapes that repeat, whose steps ask for the same sizes every time. A static-shape
+        graph a repeated shape earned (`Miss.hot`) does; of a module whose every graph serves
+        one shape (`Miss.per_shape`: a plain-backend graph, or sizes a trace froze) only the
+        graphs of its first shape do, since its shapes may vary every step: an arena grown for
+        each new size keeps every size's buffers (1.4 GiB over 4 sizes of 64 MiB inputs),
+        where plain allocations are freed with the step's tensors."""
+        if not self.options.memory_arena:
+            return False
+        if miss.per_shape:
+            shapes = miss.call.shapes()
+            if self._arena_shapes is None:
+                self._arena_shapes = shapes
+            return self._arena_shapes == shapes
+        return miss.hot is not None
+
     def _instantiate(self, recipe: Recipe, miss: Miss, progress: _Progress) -> Entry:
-        """Sessions for a recipe, bound to this module's tensors; a graph that serves one input
-        shape (`Miss.one_shape`) allocates from the shared arena (`memory_arena`), as its steps
-        ask for the same sizes every time."""
+        """Sessions for a recipe, bound to this module's tensors (`_uses_arena` says where
+        they allocate)."""
         state = miss.state
         settings = self.settings
-        if miss.one_shape() and self.options.memory_arena and not settings.arena:
+        if not settings.arena and self._uses_arena(miss):
             settings = dataclasses.replace(settings, arena=True)
 
         def locate(name: str) -> tuple[bool, int]:

@@ -122,9 +122,11 @@ def test_only_a_graph_earned_by_a_repeated_shape_allocates_from_the_shared_arena
 
 
 @pytest.mark.parametrize("arena", [True, False])
-def test_every_graph_of_a_model_that_specialises_on_sizes_allocates_from_the_shared_arena(
+def test_only_the_first_shape_of_a_model_that_specialises_on_sizes_uses_the_shared_arena(
     arena: bool,
 ) -> None:
+    """Its shapes may change every step, and an arena grown for each new size would keep
+    every size's buffers (test_autograd_promises' RSS test): later shapes allocate plainly."""
     from ort_autopatch.engine import ModuleEngine
 
     class Pooled(torch.nn.Module):  # pooling gradients need static shapes: a graph per shape
@@ -138,10 +140,12 @@ def test_every_graph_of_a_model_that_specialises_on_sizes_allocates_from_the_sha
     gc.collect()
     earlier = set(session._live)
     engine = ModuleEngine(Pooled(), EngineOptions(memory_arena=arena))
-    for size in (8, 12):
+    for size in (8, 12, 8):
         engine(torch.randn(2, 1, size, size)).sum().backward()
     built = [s for s in session._live if s not in earlier]
-    assert [_uses_shared_arena(s) for s in built] == [arena, arena]
+    uses = [_uses_shared_arena(s) for s in built]  # a graph: 1 session, or 2 (plain backend)
+    half = len(uses) // 2
+    assert len(uses) in (2, 4) and sorted(uses) == sorted([arena] * half + [False] * half)
 
 
 def test_outputs_and_gradients_from_the_shared_arena_outlive_their_model() -> None:

@@ -56,6 +56,10 @@ class Captured:
     #: feeds whose memory a value backward reads shares (a view of a parameter, such as its
     #: transpose): saved too, only so autograd's version check sees an in-place change
     viewed_feeds: list[int] = field(default_factory=list)
+    #: user outputs whose memory a value backward reads shares (softmax's output, saved as a
+    #: detached alias, is a graph output of its own): saved too, so an in-place change of
+    #: the output raises autograd's error, as eager's saved output does
+    viewed_outputs: list[int] = field(default_factory=list)
     #: user outputs that are an input itself, returned as it is: user output -> feed index.
     #: Their gradient reaches the input through autograd, never through the graphs (which
     #: have no cotangent for them), as eager returns the very tensor.
@@ -329,16 +333,23 @@ def _link(
     captured.backward_inputs = reads
     producers = {n.name: n for n in forward.graph.nodes}
     outputs_in_order = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    user_nodes = {outputs_in_order[k]: n for n, k in enumerate(captured.user_outputs)}
     viewed: set[int] = set()
+    viewed_outputs: set[int] = set()
     for kind, k in reads:
         if kind != "out":
             continue
         node = outputs_in_order[k]
         while node is not None and node.op == "call_function" and node.target in _VIEWS:
+            if node in user_nodes:
+                viewed_outputs.add(user_nodes[node])
             node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+        if node is not None and node in user_nodes:
+            viewed_outputs.add(user_nodes[node])
         if node is not None and node.op == "placeholder" and node.name in producers:
             viewed.add(forward_inputs[node.name])
     captured.viewed_feeds = sorted(viewed)
+    captured.viewed_outputs = sorted(viewed_outputs - set(captured.aliases))
     outputs = next(n for n in backward.graph.nodes if n.op == "output").args[0]
     if len(outputs) != len(captured.feeds):
         raise ExportError(

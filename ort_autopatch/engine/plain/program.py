@@ -103,6 +103,7 @@ class Lowered:
     backward_outputs: list[tuple[str, int]]
     aliases: dict[int, int]  # see `Captured.aliases`
     viewed_feeds: list[int]  # see `Captured.viewed_feeds`
+    viewed_outputs: list[int]  # see `Captured.viewed_outputs`
 
     def graphs(self) -> dict[str, bytes]:
         found = {"forward": self.forward}
@@ -120,6 +121,7 @@ class Lowered:
             "backward_outputs": [list(x) for x in self.backward_outputs],
             "aliases": [[k, v] for k, v in self.aliases.items()],
             "viewed_feeds": self.viewed_feeds,
+            "viewed_outputs": self.viewed_outputs,
         }
 
     @classmethod
@@ -138,6 +140,7 @@ class Lowered:
             backward_outputs=pairs("backward_outputs"),
             aliases={int(k): int(v) for k, v in meta["aliases"]},
             viewed_feeds=[int(k) for k in meta["viewed_feeds"]],
+            viewed_outputs=[int(k) for k in meta["viewed_outputs"]],
         )
 
 
@@ -162,6 +165,7 @@ def lower(captured: Captured, cls: str) -> Lowered:
         backward_outputs=backward_outputs,
         aliases=captured.aliases,
         viewed_feeds=captured.viewed_feeds,
+        viewed_outputs=captured.viewed_outputs,
     )
 
 
@@ -312,8 +316,13 @@ class PlainTrainingCall(torch.autograd.Function):
                 saved.append(outputs[k])
             elif kind == "feed":
                 saved.append(before.get(k, feeds[k]))
-        # the feeds backward reads through a view of them: saved for the version check only
-        ctx.save_for_backward(*saved, *[feeds[k] for k in program.lowered.viewed_feeds])
+        # the feeds and user outputs backward reads through a view of them: saved for the
+        # version check only
+        ctx.save_for_backward(
+            *saved,
+            *[feeds[k] for k in program.lowered.viewed_feeds],
+            *[user[program.tangent_position[k]] for k in program.lowered.viewed_outputs],
+        )
         for out in user:
             if not out.is_floating_point():
                 ctx.mark_non_differentiable(out)

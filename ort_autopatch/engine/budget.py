@@ -64,6 +64,9 @@ class _Budget:
         self.deadline = time.perf_counter() + limits.seconds if limits.seconds > 0 else math.inf
         self.events = 0  # traced values named and submodules called, in this trace
         self.next_count = 1  # the event at which the growing trace is counted next
+        self.made = 0  # tensors made while aot learns the outputs (`tracing_fx`)
+        self.traced = 0  # torch functions called while aot records the graph
+        self.next_traced = 1  # the call at which that graph is counted next
 
     def check_time(self, where: str) -> None:
         if time.perf_counter() > self.deadline:
@@ -98,10 +101,50 @@ class _Budget:
         state = torch._C._get_tracing_state()
         if state is None:
             return
-        count = _count(state.graph())
+        self._counted(_count(state.graph()))
+
+    def tracing_fx(self, result: Any, args: Any) -> None:
+        """After each torch function the plain backend's trace (aot_autograd's) calls: the
+        deadline, and the size of the graph it records so far. aot first runs forward on fake
+        tensors to learn its outputs, recording nothing: there the tensors the calls made
+        stand in for the nodes, of which each makes at least one."""
+        self.events += 1
+        if self.events & 63 == 0:
+            self.check_time("while tracing forward")
+        limit = self.limits.nodes
+        if limit <= 0:
+            return
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        if mode is None:
+            self.made += _made(result, args)
+            if self.made > limit:
+                self.check_nodes(self.made, "by the middle of the trace")
+            return
+        self.traced += 1
+        if self.traced >= self.next_traced:
+            count = len(mode.tracer.graph.nodes)
+            self.check_nodes(count, "by the middle of the trace")
+            per_call = max(count, 1) / self.traced
+            self.next_traced = self.traced + max(
+                16, limit // 20, int((limit - count) / per_call / 2)
+            )
+
+    def _counted(self, count: int) -> None:
+        limit = self.limits.nodes
         self.check_nodes(count, "by the middle of the trace")
         per_event = max(count, 1) / self.events
         self.next_count = self.events + max(16, limit // 20, int((limit - count) / per_event / 2))
+
+
+def _made(result: Any, args: Any) -> int:
+    """Tensors a torch function made (not one of its arguments returned as it is)."""
+    if isinstance(result, torch.Tensor):
+        return 0 if any(result is a for a in args) else 1
+    if isinstance(result, (tuple, list)):
+        return sum(isinstance(r, torch.Tensor) for r in result)
+    return 0
 
 
 def _count(graph: Any) -> int:
@@ -137,6 +180,38 @@ def check(where: str) -> None:
     budget: _Budget | None = getattr(_state, "budget", None)
     if budget is not None:
         budget.check_time(where)
+
+
+def check_size(count: int, where: str) -> None:
+    """Stop the build this thread runs if its graph has more than its limit of nodes."""
+    budget: _Budget | None = getattr(_state, "budget", None)
+    if budget is not None:
+        budget.check_nodes(count, where)
+
+
+class _TracedCalls(torch.overrides.TorchFunctionMode):
+    """Every torch function a trace calls passes `_Budget.tracing_fx` after it."""
+
+    def __init__(self, budget: _Budget) -> None:
+        super().__init__()
+        self.budget = budget
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self.budget.tracing_fx(result, args)
+        return result
+
+
+@contextlib.contextmanager
+def enforced_fx() -> Iterator[None]:
+    """The limits inside the plain backend's trace (`plain.capture`), for one trace: a torch
+    function mode, this thread's own, so other threads' traces pass straight through."""
+    budget: _Budget | None = getattr(_state, "budget", None)
+    if budget is None:
+        yield
+        return
+    with _TracedCalls(budget):
+        yield
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import export, tracing, trees
-from ort_autopatch.engine.errors import ExportError, UnsupportedModelError
+from ort_autopatch.engine import budget, export, tracing, trees
+from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -168,9 +168,10 @@ def capture(
             _math_attention(),
             _traceable_batch_norms(module),
         ):
-            joint = aot_export_joint_with_descriptors(
-                stack, flat, tuple(tensors), decompositions=decompositions
-            )
+            with budget.enforced_fx():
+                joint = aot_export_joint_with_descriptors(
+                    stack, flat, tuple(tensors), decompositions=decompositions
+                )
             gm = joint.graph_module
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -217,7 +218,8 @@ def capture(
                 forward_gm, backward_gm = min_cut_rematerialization_partition(
                     gm, None, num_fwd_outputs=num_forward
                 )
-    except (ExportError, UnsupportedModelError):
+            budget.check_size(len(forward_gm.graph.nodes), "in the complete trace")
+    except (ExportError, UnsupportedModelError, BuildOverBudget):
         raise
     except Exception as exc:
         raise ExportError(

@@ -123,6 +123,19 @@ def test_select_backward_equals_atens(dim: int, index: int) -> None:
 
 
 @pytest.mark.parametrize(
+    ("sizes", "offset", "dim1", "dim2"),
+    [([4, 4], 0, 0, 1), ([3, 5], 1, 0, 1), ([3, 5], -2, 0, 1), ([2, 3, 4], 2, -1, 1)],
+)
+def test_diagonal_backward_equals_atens(
+    sizes: list[int], offset: int, dim1: int, dim2: int
+) -> None:
+    g = torch.randn_like(torch.diagonal(torch.zeros(sizes), offset, dim1, dim2))
+    expected = aten.diagonal_backward(g, sizes, offset, dim1, dim2)
+    got = decompositions.diagonal_backward(g, sizes, offset, dim1, dim2)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
     ("dim", "start", "end", "step"),
     [(0, 0, 2, 1), (1, 1, 4, 1), (2, -3, 9223372036854775807, 1), (1, -10, -1, 1), (2, 0, 5, 2)],
 )

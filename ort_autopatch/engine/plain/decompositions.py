@@ -238,6 +238,27 @@ def slice_backward(
     return aten.constant_pad_nd(grad_output, pad, 0.0)
 
 
+def diagonal_backward(
+    grad_output: torch.Tensor, input_sizes: Sequence[int], offset: int, dim1: int, dim2: int
+) -> torch.Tensor:
+    """The diagonal's gradient placed by a mask, out of place: torch's decomposition copies
+    into a diagonal view of zeros, an in-place write aot_autograd refuses in a joint graph
+    (and ONNX has no diagonal scatter). Element k of the diagonal sits in row k (offset >= 0)
+    or column k (offset < 0): the gradient, padded to that length, is spread along the other
+    axis and kept where the mask marks the diagonal."""
+    rank = len(input_sizes)
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    rows, cols = input_sizes[dim1], input_sizes[dim2]
+    along = rows if offset >= 0 else cols
+    spread = aten.constant_pad_nd(grad_output, [0, along - grad_output.shape[-1]], 0.0)
+    spread = spread.unsqueeze(-1) if offset >= 0 else spread.unsqueeze(-2)
+    i = torch.arange(rows, device=grad_output.device).unsqueeze(-1)
+    j = torch.arange(cols, device=grad_output.device)
+    on_diagonal = (j - i) == offset
+    placed = torch.where(on_diagonal, spread, grad_output.new_zeros(()))
+    return torch.movedim(placed, (-2, -1), (dim1, dim2))
+
+
 def threshold_backward(
     grad_output: torch.Tensor, self: torch.Tensor, threshold: float
 ) -> torch.Tensor:
@@ -331,6 +352,7 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.threshold_backward.default: threshold_backward,
     aten.select_backward.default: select_backward,
     aten.slice_backward.default: slice_backward,
+    aten.diagonal_backward.default: diagonal_backward,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,

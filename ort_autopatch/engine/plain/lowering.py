@@ -28,7 +28,15 @@ def registry() -> Any:
     """torchlib's registry of ATen -> ONNX functions (built once: about 1 s)."""
     from torch.onnx._internal.exporter import _registration
 
-    return _registration.ONNXRegistry.from_torchlib(OPSET)
+    # it warns, on the user's stderr, of every torchvision operator it skips when torchvision
+    # is not installed: nothing the user asked about
+    logger = logging.getLogger(_registration.__name__)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return _registration.ONNXRegistry.from_torchlib(OPSET)
+    finally:
+        logger.setLevel(level)
 
 
 def missing_operators(gm: torch.fx.GraphModule) -> list[str]:

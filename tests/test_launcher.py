@@ -17,6 +17,18 @@ from ort_autopatch import cli
 from ort_autopatch.config import load_config
 from tests.proc_helpers import LAUNCHER, PY, REPO, run
 
+
+def _installed_ort() -> tuple[str, str, bool]:
+    """The ONNX Runtime installed here: distribution, version, whether a training build."""
+    from importlib import metadata
+
+    for name in ("onnxruntime-training-cpu", "onnxruntime-training", "onnxruntime"):
+        try:
+            return name, metadata.version(name), "training" in name
+        except metadata.PackageNotFoundError:
+            continue
+    raise AssertionError("no ONNX Runtime installed")
+
 PROBE = textwrap.dedent(
     """\
     import os, pickle, sys
@@ -274,7 +286,7 @@ def test_version_imports_neither_torch_nor_onnxruntime() -> None:
     result = run([PY, "-c", code])
     first, second = result.stdout.splitlines()
     assert first.startswith("ort_autopatch 0.1.0 (Python 3.")
-    assert "torch 2." in first and "onnxruntime 1.19.2" in first
+    assert "torch 2." in first and f"onnxruntime {_installed_ort()[1]}" in first
     assert second == "False False"
 
 
@@ -282,10 +294,13 @@ def test_check_reports_a_working_setup() -> None:
     result = run([*LAUNCHER, "--modules", "mypkg.models:Net", "--check"], timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "onnxruntime-training-cpu 1.19.2 (training build)" in out
+    name, version, training = _installed_ort()
+    kind = "training build" if training else "inference-only build"
+    assert f"{name} {version} ({kind})" in out
     assert "CPUExecutionProvider" in out
     assert "accelerate    yes" in out
-    assert "ATen executor ready (" in out  # compiled (here at the session's start)
+    # compiled (here at the session's start); the training build's only (its ATen nodes)
+    assert ("ATen executor ready (" in out) == training
     assert "ORT_AUTOPATCH_MODULES=mypkg.models:Net" in out
     assert f"Python        {sys.version.split()[0]}" in out
 
@@ -306,7 +321,9 @@ def test_check_names_an_inference_build_as_the_problem_of_the_training_backend(
 def test_check_says_which_backend_and_onnx_runtime_run() -> None:
     text, ok = cli.check(load_config(environ={}))
     assert ok
-    assert "backend       ort-training (ONNX Runtime 1.19.2)" in text
+    _, version, training = _installed_ort()
+    backend = "ort-training" if training else "ort"
+    assert f"backend       {backend} (ONNX Runtime {version})" in text
 
 
 def test_check_names_two_conflicting_builds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -416,14 +433,16 @@ def test_report_file_content(tmp_path: pathlib.Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    # WARNING level: no summary; the one pattern that matched nothing is the only line
-    assert result.stderr == (
+    # WARNING level: no summary; the one pattern that matched nothing is the only line but
+    # for a build slower than 2 s (the plain backend's first), which says so while it runs
+    said = [line for line in result.stderr.splitlines(True) if "still building" not in line]
+    assert "".join(said) == (
         "[ort_autopatch] WARNING --modules pattern 'nowhere:Nothing' matched no class: "
         "module 'nowhere' was never imported\n"
     )
     data = json.loads((tmp_path / "out" / "r.json").read_text())
     assert data["version"] == "0.1.0"
-    assert data["torch"].startswith("2.") and data["onnxruntime"] == "1.19.2"
+    assert data["torch"].startswith("2.") and data["onnxruntime"] == _installed_ort()[1]
     assert data["unmatched"] == ["nowhere:Nothing"]
     net = data["classes"]["__main__:Net"]
     for key in (

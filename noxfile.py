@@ -114,7 +114,7 @@ PLAIN_TESTS = (
 def tests_plain(session: nox.Session) -> None:
     """The plain backend's tests on the latest onnxruntime (`nox -s tests` runs it)."""
     session.install(TORCH)
-    session.install("-e", ".[cpu]", "pytest", "pytest-timeout", "numpy", TRANSFORMERS, ACCELERATE)
+    session.install("-e", ".[cpu]", *TEST_DEPS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", *PLAIN_TESTS, *session.posargs)
 
 

@@ -135,6 +135,18 @@ def test_diagonal_backward_equals_atens(
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize(("shape", "dim"), [((4, 3), 0), ((4, 3, 2), 0), ((4, 3, 2), 2)])
+def test_weight_norm_interface_backward_equals_atens(shape: tuple[int, ...], dim: int) -> None:
+    v = torch.randn(shape, dtype=torch.float64)
+    g = torch.randn([s if k == dim else 1 for k, s in enumerate(shape)], dtype=torch.float64)
+    w, norms = aten._weight_norm_interface(v, g, dim)
+    grad_w = torch.randn_like(w)
+    expected = aten._weight_norm_interface_backward(grad_w, v, g, norms, dim)
+    got = decompositions.weight_norm_interface_backward(grad_w, v, g, norms, dim)
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e)
+
+
 @pytest.mark.parametrize(
     ("dim", "start", "end", "step"),
     [(0, 0, 2, 1), (1, 1, 4, 1), (2, -3, 9223372036854775807, 1), (1, -10, -1, 1), (2, 0, 5, 2)],

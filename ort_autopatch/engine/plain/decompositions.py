@@ -259,6 +259,20 @@ def diagonal_backward(
     return torch.movedim(placed, (-2, -1), (dim1, dim2))
 
 
+def weight_norm_interface_backward(
+    grad_w: torch.Tensor, v: torch.Tensor, g: torch.Tensor, norms: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight_norm's gradient (w = v * g / |v|, the norm over every dim but `dim`), which
+    torch has as one fused kernel only: with s = sum(grad_w * v) over those dims,
+    grad_g = s / |v| and grad_v = g / |v| * (grad_w - v * s / |v|^2)."""
+    dim %= v.dim()
+    over = [k for k in range(v.dim()) if k != dim]
+    s = (grad_w * v).sum(over, keepdim=True)
+    grad_g = s / norms
+    grad_v = (g / norms) * (grad_w - v * (grad_g / norms))
+    return grad_v, grad_g
+
+
 def threshold_backward(
     grad_output: torch.Tensor, self: torch.Tensor, threshold: float
 ) -> torch.Tensor:
@@ -353,6 +367,7 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.select_backward.default: select_backward,
     aten.slice_backward.default: slice_backward,
     aten.diagonal_backward.default: diagonal_backward,
+    aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,

@@ -468,7 +468,7 @@ class Config:
         kind=Switch(),
         engine=True,
         help="on CPU, graphs built for one input shape (one that keeps coming back, see "
-        "static_after, or any shape of a model that specialises on sizes, e.g. pooling) "
+        "static_after, or the first shape of a model that specialises on sizes) "
         "allocate from one ONNX Runtime arena shared by the process, which keeps each step's "
         "buffers for the next (no page faults each step) and holds that memory until the "
         "process exits; off: ORT's buffers are freed with each step's tensors",

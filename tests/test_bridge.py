@@ -1,23 +1,18 @@
 """bridge.py on its own: tensors into and out of ORT, kept values, BatchNorm statistics.
 
-Feeding a graph is tested through the installed build's own plumbing: `bridge.run_inference`
-on the training build (bools through DLPack as uint8 with a flag), the plain backend's
-`plain.program` session on the inference-only build (bools as they are).
+The DLPack plumbing is the installed build's (`bridge.use_inference_dlpack`: the training
+build moves bools as uint8 with a flag, the inference-only build as they are).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 
 import onnx
 import torch
 from onnx import helper
 
 from ort_autopatch.engine import bridge, dlpack, session
-from tests.helpers import plain_backend
-
-Run = Callable[[list[torch.Tensor], bridge.KeptValues | None], list[torch.Tensor]]
 
 
 def _add_one(rank: int) -> bytes:
@@ -35,43 +30,38 @@ def _add_one(rank: int) -> bytes:
     ).SerializeToString()
 
 
-def _runner(rank: int = 2) -> Run:
-    """One session of the graph, run as the installed build's engine runs its graphs."""
+def _program(rank: int = 2) -> session.InferenceProgram:
+    bridge.use_inference_dlpack()  # what the plain backend does before its first session
     settings = session.SessionSettings(threads=1)
-    cpu = torch.device("cpu")
-    if plain_backend():
-        from ort_autopatch.engine.plain import program as plain
+    return session.build_inference(_add_one(rank), torch.device("cpu"), settings, "Test")
 
-        plain._choose_plumbing()
-        graph = plain._session_for(_add_one(rank), [("onnx", 0)], "Test", cpu, settings)
-        return lambda feeds, kept: graph.run("Test", "forward", feeds, kept)
-    program = session.build_inference(_add_one(rank), cpu, settings, "Test")
-    step = bridge.Step("Test", 1, [], False)
-    return lambda feeds, kept: bridge.run_inference(program, step, feeds, kept)
+
+def _step(outputs: int = 1) -> bridge.Step:
+    return bridge.Step("Test", outputs, [], False)
 
 
 def test_an_inference_run_computes_the_graph() -> None:
     x = torch.arange(6.0).reshape(2, 3)
-    (y,) = _runner()([x], None)
+    (y,) = bridge.run_inference(_program(), _step(), [x])
     assert torch.equal(y, x + 1)
 
 
 def test_a_non_contiguous_feed_is_read_as_its_values() -> None:
     x = torch.arange(6.0).reshape(2, 3).t()
-    (y,) = _runner()([x], None)
+    (y,) = bridge.run_inference(_program(), _step(), [x])
     assert torch.equal(y, x + 1)
 
 
 def test_a_kept_value_reads_in_place_updates_and_a_replaced_tensor_is_wrapped_again() -> None:
-    run, kept = _runner(rank=1), bridge.KeptValues([0])
+    program, kept = _program(rank=1), bridge.KeptValues([0])
     w = torch.zeros(3)
-    run([w], kept)
+    bridge.run_inference(program, _step(), [w], kept)
     first = kept.values[0][4]
     w.add_(2)  # an optimizer step: same memory
-    (y,) = run([w], kept)
+    (y,) = bridge.run_inference(program, _step(), [w], kept)
     assert torch.equal(y, torch.full((3,), 3.0)) and kept.values[0][4] is first
     w = torch.ones(3)  # new memory
-    (y,) = run([w], kept)
+    (y,) = bridge.run_inference(program, _step(), [w], kept)
     assert torch.equal(y, torch.full((3,), 2.0)) and kept.values[0][4] is not first
 
 

@@ -382,11 +382,8 @@ def table() -> dict[Any, Callable[..., Any]]:
 
     from ort_autopatch.engine.plain import lowering
 
-    registry = lowering.registry()
     found: dict[Any, Callable[..., Any]] = dict(
-        _decomp.create_onnx_friendly_decomposition_table(
-            set(_decomp.get_onnx_implemented_overloads(registry))
-        )
+        _decomp.create_onnx_friendly_decomposition_table(set(lowering.implemented()))
     )
     found.update(get_decompositions(list(TORCH_DECOMPOSED)))
     found.update(OURS)

@@ -4,6 +4,12 @@
 (2 to 6 s a graph); the graphs the capture produces are already ATen-level and decomposed
 into what the exporter's op library (torchlib) translates, so each node goes straight through
 the exporter's translator. An operator the library lacks is an `ExportError` naming it.
+
+The exporter's registry (`ONNXRegistry.from_torchlib`) infers the ONNX signature of all ~500
+torchlib functions (about 2 s in a fresh process); a graph has a few dozen operators, so this
+module registers only those (`registry_for`), the same functions in the same order as the
+full registry would hold them, and names what torchlib covers (`implemented`, which the
+decomposition table needs) without inferring any signature.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import functools
 import logging
 import operator
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,31 +31,112 @@ OPSET = 18  # torchlib's own opset: its functions are written for it
 
 
 @functools.cache
-def registry() -> Any:
-    """torchlib's registry of ATen -> ONNX functions (built once: about 1 s)."""
+def _torchlib() -> tuple[dict[str, list[tuple[Any, bool]]], tuple[Any, ...]]:
+    """onnxscript's torchlib functions by qualified ATen name ("aten::add.Tensor"; a default
+    overload without its suffix), each with whether it takes complex inputs, and torch's own
+    additions (`OnnxDecompMeta`s with their targets): what `from_torchlib` reads."""
+    from onnxscript.function_libs.torch_lib import ops, registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+    del ops  # imported for its registrations
+    functions = {
+        name: [(f, False) for f in overloaded.overloads] + [(f, True) for f in overloaded.complex]
+        for name, overloaded in registration.default_registry.items()
+        if not name.startswith("internal::")
+    }
+    return functions, _torchlib_registry.get_torchlib_ops()
+
+
+def _name(target: Any) -> str | None:
+    """torchlib's name of an FX target (None: a callable named by itself)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.name())
+    return None
+
+
+@functools.cache
+def _callables() -> dict[Any, str]:
+    """torchlib's Python-callable targets (`_operator::mul`, `math::ceil`) by callable."""
     from torch.onnx._internal.exporter import _registration
 
-    # it warns, on the user's stderr, of every torchvision operator it skips when torchvision
-    # is not installed: nothing the user asked about
-    logger = logging.getLogger(_registration.__name__)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return _registration.ONNXRegistry.from_torchlib(OPSET)
-    finally:
-        logger.setLevel(level)
+    functions, _ = _torchlib()
+    found = {}
+    for name in functions:
+        if name.startswith(("_operator::", "math::")):
+            target = _registration._get_overload(name)
+            if target is not None:
+                found[target] = name
+    return found
+
+
+@functools.cache
+def implemented() -> frozenset[Any]:
+    """The targets torchlib translates at `OPSET`: the keys of the full registry."""
+    from torch.onnx._internal.exporter import _registration
+
+    functions, own = _torchlib()
+    found = {meta.fx_target for meta in own if meta.opset_introduced <= OPSET}
+    for name in functions:
+        target = _registration._get_overload(name)
+        if target is not None:
+            found.add(target)
+    return frozenset(found)
+
+
+_lock = threading.Lock()
+_registry: list[Any] = []  # the one partial registry of this process
+_registered: set[Any] = set()  # the targets it has been given (with or without functions)
+
+
+def registry_for(targets: Iterable[Any]) -> Any:
+    """The exporter's registry with (at least) `targets` registered, as `from_torchlib` would
+    register them: torch's own functions first, then onnxscript's, the highest opset up to
+    `OPSET` kept. Grows as graphs bring new operators."""
+    from torch.onnx._internal.exporter import _registration
+
+    with _lock:
+        if not _registry:
+            _registry.append(_registration.ONNXRegistry())
+            _registry[0]._opset_version = OPSET
+        registry = _registry[0]
+        functions, own = _torchlib()
+        callables = _callables()
+        for target in set(targets) - _registered:
+            _registered.add(target)
+            metas = [meta for meta in own if meta.fx_target == target]
+            name = _name(target) or callables.get(target)
+            for function, is_complex in functions.get(name, []) if name else []:
+                metas.append(
+                    _registration.OnnxDecompMeta(
+                        onnx_function=function,
+                        fx_target=target,
+                        signature=None,
+                        is_custom=False,
+                        is_complex=is_complex,
+                    )
+                )
+            metas = [meta for meta in metas if meta.opset_introduced <= OPSET]
+            if metas:
+                highest = max(meta.opset_introduced for meta in metas)
+                for meta in metas:
+                    if meta.opset_introduced == highest:
+                        registry._register(target, meta)
+        return registry
+
+
+def _targets(gm: torch.fx.GraphModule) -> set[Any]:
+    return {
+        node.target
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target is not operator.getitem
+    }
 
 
 def missing_operators(gm: torch.fx.GraphModule) -> list[str]:
     """Operators of the graph the exporter has no translation for."""
-    found = registry()
-    missing = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        if not found.is_registered(node.target):
-            missing.add(str(node.target))
-    return sorted(missing)
+    targets = _targets(gm)
+    found = registry_for(targets)
+    return sorted({str(target) for target in targets if not found.is_registered(target)})
 
 
 @contextlib.contextmanager
@@ -90,7 +178,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str) -> bytes:
                 graph_like=model.graph,
                 owned_graphs={},
                 lower="at_conversion",
-                registry=registry(),
+                registry=registry_for(_targets(gm)),
             )
     except Exception as exc:
         raise ExportError(

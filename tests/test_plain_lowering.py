@@ -1,0 +1,44 @@
+"""The lowering's own registry of the exporter's op library against the exporter's full one:
+the same functions for every operator, the same operators named as translated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON
+
+pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+
+
+def _full_registry() -> Any:
+    from torch.onnx._internal.exporter import _registration
+
+    from ort_autopatch.engine.plain import lowering
+
+    return _registration.ONNXRegistry.from_torchlib(lowering.OPSET)
+
+
+def test_the_graph_registry_gives_each_operator_the_full_registrys_functions() -> None:
+    from ort_autopatch.engine.plain import lowering
+
+    full = _full_registry()
+    functions = full.functions
+    ours = lowering.registry_for(metas[0].fx_target for metas in functions.values())
+    assert set(ours.functions) == set(functions)
+    for key, metas in functions.items():
+        got = ours.functions[key]
+        assert [(m.onnx_function, m.is_complex) for m in got] == [
+            (m.onnx_function, m.is_complex) for m in metas
+        ], key
+        assert all(m.signature is not None or m.skip_signature_inference for m in got), key
+
+
+def test_the_operators_named_as_translated_are_the_full_registrys() -> None:
+    from torch.onnx._internal.exporter import _decomp
+
+    from ort_autopatch.engine.plain import lowering
+
+    full = set(_decomp.get_onnx_implemented_overloads(_full_registry()))
+    assert lowering.implemented() == full

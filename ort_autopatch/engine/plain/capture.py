@@ -154,6 +154,7 @@ def capture(
 ) -> Captured:
     """Trace and partition one call. Nothing of the module changes: the trace runs on fake
     tensors (BatchNorm's statistics are updated only by running the graph)."""
+    from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd import descriptors as d
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -215,9 +216,14 @@ def capture(
             if not tangents:
                 forward_gm, backward_gm = gm, None
             else:
-                forward_gm, backward_gm = min_cut_rematerialization_partition(
-                    gm, None, num_fwd_outputs=num_forward
-                )
+                # Without the partitioner's common-subexpression pass, which imports torch's
+                # inductor (1 to 2 s of a fresh process's first build): ONNX Runtime merges
+                # a graph's duplicate nodes as it loads it. A transformer layer's and an MLP's
+                # graphs came out the same; a CNN's forward kept 4 views more, same steps.
+                with functorch_config.patch(cse=False):
+                    forward_gm, backward_gm = min_cut_rematerialization_partition(
+                        gm, None, num_fwd_outputs=num_forward
+                    )
             budget.check_size(len(forward_gm.graph.nodes), "in the complete trace")
     except (ExportError, UnsupportedModelError, BuildOverBudget):
         raise

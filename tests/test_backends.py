@@ -76,6 +76,10 @@ class _TorchBackend(backends.Backend):
     def unavailable() -> str | None:
         return None
 
+    @staticmethod
+    def graph_version() -> str:
+        return "toy"
+
     def build(self, miss, progress):  # type: ignore[no-untyped-def]
         from torch.utils import _pytree as pytree
 

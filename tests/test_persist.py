@@ -25,10 +25,11 @@ def test_stable_repr_holds_no_memory_address() -> None:
     assert persist.stable_repr(torch.zeros(2)) != persist.stable_repr(torch.ones(2))
 
 
-def _key(backend: str, opset: int = 17) -> str:
+def _key(backend: str, opset: int = 17, graph_version: str = "g") -> str:
     return persist.static_key(
         cls="Net",
         backend=backend,
+        graph_version=graph_version,
         sources="s",
         state=ModuleState(torch.nn.Linear(2, 2)),
         key={"grad": True},
@@ -40,6 +41,10 @@ def _key(backend: str, opset: int = 17) -> str:
 def test_the_static_key_names_the_backend_and_the_opset() -> None:
     assert _key("ort-training") == _key("ort-training")
     assert len({_key("ort-training"), _key("ort"), _key("ort-training", 18)}) == 3
+
+
+def test_the_static_key_names_the_backends_graph_version() -> None:
+    assert _key("ort", graph_version="a") != _key("ort", graph_version="b")
 
 
 def _forward() -> bytes:

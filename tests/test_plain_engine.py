@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +108,126 @@ def test_a_second_engine_loads_both_graphs_from_the_persistent_cache(tmp_path: P
     expected.sum().backward()
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_graph_from_the_persistent_cache_is_not_checked_against_eager_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ort_autopatch.engine.plain import check
+
+    checks = []
+    first_call = check.first_call
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        checks.append(args[0])
+        return first_call(*args, **kwargs)
+
+    monkeypatch.setattr(check, "first_call", counted)
+    options = EngineOptions(backend="ort", threads=1, cache_dir=tmp_path)
+    x = torch.randn(5, 6)
+    ModuleEngine(_net(), options)(x)
+    assert len(checks) == 1  # the graph built now
+    second = ModuleEngine(_net(), options)
+    torch.testing.assert_close(second(x), _net()(x), rtol=1e-5, atol=1e-6)
+    assert [r.from_disk for r in second.records] == [True]
+    assert len(checks) == 1  # the stored graph passed its check when it was built
+
+
+_CACHED_RUN = """
+import json, sys
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+from ort_autopatch.engine import ModuleEngine
+from ort_autopatch.engine.recipe import EngineOptions
+
+model, eager = Net(), Net()
+engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=sys.argv[1]))
+x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+out, expected = engine(x), eager(x)
+out.pow(2).sum().backward()
+expected.pow(2).sum().backward()
+pairs = zip(model.parameters(), eager.parameters())
+grads = [(p.grad - q.grad).abs().max().item() for p, q in pairs]
+print(json.dumps({
+    "from_disk": [r.from_disk for r in engine.records],
+    "in_ort": type(out.grad_fn).__name__ == "PlainTrainingCallBackward",
+    "output_diff": (out - expected).abs().max().item(),
+    "grad_diff": max(grads),
+    "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("onnx", "onnxscript", "onnx_ir")
+        or m.startswith(("torch._functorch.aot_autograd", "torch.onnx._internal.exporter",
+                         "torch._inductor.pattern_matcher"))),
+}))
+"""
+
+
+def test_a_fresh_process_loads_a_stored_graph_without_tracing_or_the_exporter(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from tests.proc_helpers import PY, run
+
+    script = tmp_path / "net.py"
+    script.write_text(_CACHED_RUN)
+    runs = []
+    for _ in range(2):
+        done = run([PY, str(script), str(tmp_path / "cache")], timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    built, loaded = runs
+    assert built["from_disk"] == [False] and loaded["from_disk"] == [True]
+    for found in runs:
+        assert found["in_ort"]
+        assert found["output_diff"] < 1e-5 and found["grad_diff"] < 1e-4, found
+    assert "torch._functorch.aot_autograd" in built["modules"]  # the build traced
+    assert "torch._inductor.pattern_matcher" not in built["modules"]  # (the partition's CSE)
+    assert loaded["modules"] == []  # no trace, no exporter, not even onnx
+
+
+def test_a_stored_graph_onnx_runtime_refuses_is_rebuilt(tmp_path: Path) -> None:
+    """A stored graph is not run through `onnx.checker` (its import alone costs a second):
+    one whose checksum fits but which is not valid ONNX is refused by ONNX Runtime as it
+    loads it, and the call builds its graph again."""
+    import json
+
+    from onnx import TensorProto, helper
+
+    from ort_autopatch.engine.store import digest_bytes
+
+    options = EngineOptions(backend="ort", threads=1, cache_dir=tmp_path)
+    x = torch.randn(5, 6)
+    ModuleEngine(_net(), options)(x)
+    bad = helper.make_model(  # a node reads a tensor nothing produces
+        helper.make_graph(
+            [helper.make_node("Relu", ["ghost"], ["y"])],
+            "bad",
+            [],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+    ).SerializeToString()
+    sidecars = [p for p in tmp_path.rglob("*.json") if p.name != "paths.json"]
+    assert sidecars
+    for sidecar in sidecars:
+        meta = json.loads(sidecar.read_text())
+        stem = sidecar.name[: -len(".json")]
+        for part in meta["graphs"]:
+            (sidecar.parent / f"{stem}.{part}.onnx").write_bytes(bad)
+            meta["graphs"][part] = digest_bytes(bad)
+        sidecar.write_text(json.dumps(meta))
+    engine = ModuleEngine(_net(), options)
+    out = engine(x)
+    assert [r.from_disk for r in engine.records] == [False]
+    assert ran_in_plain_ort(out)
+    torch.testing.assert_close(out, _net()(x), rtol=1e-5, atol=1e-6)

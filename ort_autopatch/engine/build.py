@@ -104,10 +104,20 @@ class Builder:
                     stored = None
                 if stored is not None:
                     progress.phase = "session"
-                    entry = self._instantiate(stored, miss, progress)
-                    self._record(reason, 0.0, time.perf_counter() - start, entry, from_disk=True)
-                    self.records[-1].dynamic = guards is not None and guards.is_dynamic
-                    return entry
+                    try:
+                        entry = self._instantiate(stored, miss, progress)
+                    except SessionError as exc:  # a stored graph ONNX Runtime refuses: rebuilt
+                        log.warning(
+                            "ort_autopatch: %s: ignoring a cached graph (%s); rebuilding",
+                            self._cls,
+                            exc.cause,
+                        )
+                    else:
+                        self._record(
+                            reason, 0.0, time.perf_counter() - start, entry, from_disk=True
+                        )
+                        self.records[-1].dynamic = guards is not None and guards.is_dynamic
+                        return entry
             recipe, export_seconds = self.backend.build(miss, progress)
             budget.check("before creating its ONNX Runtime session")
             progress.phase = "session"

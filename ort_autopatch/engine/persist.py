@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, hazards, passes, runtime
+from ort_autopatch.engine import export, hazards, runtime
 from ort_autopatch.engine.backends import Backend
 from ort_autopatch.engine.callkey import CallKey, Guards
 from ort_autopatch.engine.recipe import Recipe
@@ -33,6 +33,7 @@ def static_key(
     *,
     cls: str,
     backend: str,
+    graph_version: str,
     sources: str,
     state: ModuleState,
     key: dict[str, Any],
@@ -46,7 +47,7 @@ def static_key(
     return digest(
         {
             "tool": __version__,
-            "passes": passes.version(),
+            "graphs": graph_version,
             "torch": torch.__version__,
             "onnxruntime": runtime.version(),
             "backend": backend,
@@ -308,6 +309,7 @@ class Persistence:
         return static_key(
             cls=self.cls,
             backend=self.backend.name,
+            graph_version=self.backend.graph_version(),
             sources=sources,
             state=state,
             key=call_key.persistent(),

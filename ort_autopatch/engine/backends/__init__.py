@@ -26,7 +26,9 @@ the progress warning. A backend supplies the rest, for one module instance at a 
    (the shared `bridge.py` has the autograd Function, the DLPack plumbing and the `Step`
    updates: BatchNorm statistics, dropout seeds).
 3. `payload_from(meta, graphs)`: the payload again from what `Payload.meta()` and
-   `Payload.graphs()` stored, checking the graphs before any session sees them.
+   `Payload.graphs()` stored (the store's checksums say they are the bytes this tool wrote; a
+   backend may check more before any session sees them), and `graph_version()`: what else
+   decides the graphs, for the persistent cache keys.
 
 A new backend is one module beside `ort_training.py` and one line in `BACKENDS`. The same
 seed, the same run: random operators draw from `rng`'s stream, never from torch's generator.
@@ -103,6 +105,13 @@ class Backend(ABC):
     def unavailable() -> str | None:
         """Why this backend cannot run in this interpreter (which package to install), or
         None. Cheap: reads package metadata, never imports onnxruntime."""
+
+    @staticmethod
+    @abstractmethod
+    def graph_version() -> str:
+        """What decides this backend's graphs besides the tool's, torch's and ONNX Runtime's
+        versions (its passes, its sources, the exporter's packages): part of every persistent
+        cache key. Cheap: a cache hit calls it before anything else is loaded."""
 
     def refuse(self, call: FlatCall) -> None:  # noqa: B027  (optional: most accept every call)
         """Raise UnsupportedInputError for a training call this backend cannot run at all

@@ -9,16 +9,21 @@ guards admit (`Recipe.size_guards`, `engine/sizes.py`). A symbolic trace that fa
 back to a graph for the call's shapes, and that key stays one graph per shape. Before a
 graph's numbers are trusted, its first call (the call that built it) also runs eagerly and the
 two are compared (`plain.check`): a mismatch is a `VerificationError`, and that key's calls run
-in PyTorch with the reason. Buffer updates (BatchNorm's statistics) and dropout's seeds are
-the program's own business (`plain.program`), so the engine's `Step` carries neither.
+in PyTorch with the reason. A graph loaded from the persistent cache passed that check when it
+was built: loading it traces nothing, imports neither the exporter nor onnx, and checks
+nothing. Buffer updates (BatchNorm's statistics) and dropout's seeds are the program's own
+business (`plain.program`), so the engine's `Step` carries neither.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +49,8 @@ class PlainPayload:
     """The plain backend's part of a recipe: both graphs and the maps between them."""
 
     lowered: Any  # plain.program.Lowered
+    #: read back from the persistent cache: checked against eager when it was built
+    stored: bool = False
 
     def graphs(self) -> dict[str, bytes]:
         graphs: dict[str, bytes] = self.lowered.graphs()
@@ -79,14 +86,18 @@ class PlainBuild(Backend):
         return runtime.unavailable_reason("ort")
 
     @staticmethod
-    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> PlainPayload:
-        import onnx
+    def graph_version() -> str:
+        """The plain backend's own sources and the exporter's op library decide its graphs."""
+        return _graph_version()
 
+    @staticmethod
+    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> PlainPayload:
+        """No `onnx.checker` pass (nor an onnx import: about 1 s): the store hands back only
+        bytes whose checksums it wrote, and it wrote only graphs that ONNX Runtime had
+        already loaded and run, and that the first-call check had accepted."""
         from ort_autopatch.engine.plain import program
 
-        for model in graphs.values():
-            onnx.checker.check_model(onnx.load_from_string(model))
-        return PlainPayload(program.Lowered.from_stored(meta, graphs))
+        return PlainPayload(program.Lowered.from_stored(meta, graphs), stored=True)
 
     def refuse(self, call: FlatCall) -> None:
         """A training call under a functorch transform (vmap, grad) is refused: torch's
@@ -197,12 +208,15 @@ class PlainBuild(Backend):
         built = program.instantiate(payload.lowered, self.module_class, miss.device, settings)
         # the forward graph's inputs in order: what `run` takes (a stored recipe's
         # feed_sources may come back in another order)
-        import onnx
-
-        names = [value.name for value in onnx.load_from_string(recipe.forward_model).graph.input]
-        runnable = _Program(built, names)
-        progress.phase = "checking the first call against eager"
-        self._check(recipe, runnable, miss)
+        runnable = _Program(built, payload.lowered.facts["forward"].inputs)
+        # A stored graph is not checked again: these very bytes passed the check when they
+        # were built, for a call of the same key (class sources, dtypes, sizes its guards
+        # admit, tool, torch and ORT versions); a check of a later call would compare the same
+        # graph on other numbers, which no call after the first gets either (in the process
+        # that built it neither). `--verify N` still compares.
+        if not payload.stored:
+            progress.phase = "checking the first call against eager"
+            self._check(recipe, runnable, miss)
         return runnable
 
     def _check(self, recipe: Recipe, runnable: _Program, miss: Miss) -> None:
@@ -237,3 +251,32 @@ class PlainBuild(Backend):
             call.tensors,
             miss.grad,
         )
+
+
+_PLAIN_SOURCES = (
+    "plain/capture",
+    "plain/check",
+    "plain/decompositions",
+    "plain/lowering",
+    "plain/program",
+    "plain/symbolic",
+    "tracing",
+)
+
+
+@functools.cache
+def _graph_version() -> str:
+    """A digest of the files that make the plain backend's graphs and of the versions of the
+    packages that translate them (read from metadata: nothing is imported)."""
+    from importlib import metadata
+
+    digest = hashlib.sha256()
+    engine = Path(__file__).resolve().parent.parent
+    for name in _PLAIN_SOURCES:
+        digest.update((engine / f"{name}.py").read_bytes())
+    for package in ("onnxscript", "onnx-ir", "onnx"):
+        try:
+            digest.update(f"{package}={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package}=none".encode())
+    return digest.hexdigest()[:16]

@@ -163,6 +163,10 @@ class TrainingBuild(Backend):
                 )
 
     @staticmethod
+    def graph_version() -> str:
+        return passes.version()
+
+    @staticmethod
     def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> TrainingPayload:
         g = meta["gradient"]
         gradient = None

@@ -89,6 +89,21 @@ def _outputs_for_onnx(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
 
 
 @dataclass
+class GraphFacts:
+    """What a session of one ONNX graph needs besides the graph."""
+
+    inputs: list[str]  # the graph's input names, in order
+    draws: bool  # a run reads ORT's generator (`rng.draws_per_run`)
+
+    @classmethod
+    def of(cls, model: bytes) -> GraphFacts:
+        import onnx
+
+        proto = onnx.load_from_string(model)
+        return cls([value.name for value in proto.graph.input], rng.draws_per_run(proto))
+
+
+@dataclass
 class Lowered:
     """Both graphs of a capture as ONNX, and the maps between them: plain data (the
     backend's payload, which the persistent cache stores)."""
@@ -104,6 +119,9 @@ class Lowered:
     aliases: dict[int, int]  # see `Captured.aliases`
     viewed_feeds: list[int]  # see `Captured.viewed_feeds`
     viewed_outputs: list[int]  # see `Captured.viewed_outputs`
+    #: what sessions need to know of each graph ("forward", "backward"), read when it was
+    #: lowered, so that sessions for a stored graph never parse it (nor import onnx)
+    facts: dict[str, GraphFacts]
 
     def graphs(self) -> dict[str, bytes]:
         found = {"forward": self.forward}
@@ -122,6 +140,9 @@ class Lowered:
             "aliases": [[k, v] for k, v in self.aliases.items()],
             "viewed_feeds": self.viewed_feeds,
             "viewed_outputs": self.viewed_outputs,
+            "facts": {
+                role: {"inputs": f.inputs, "draws": f.draws} for role, f in self.facts.items()
+            },
         }
 
     @classmethod
@@ -141,6 +162,11 @@ class Lowered:
             aliases={int(k): int(v) for k, v in meta["aliases"]},
             viewed_feeds=[int(k) for k in meta["viewed_feeds"]],
             viewed_outputs=[int(k) for k in meta["viewed_outputs"]],
+            facts={
+                str(role): GraphFacts([str(n) for n in f["inputs"]], bool(f["draws"]))
+                for role, f in meta["facts"].items()
+                if role in graphs
+            },
         )
 
 
@@ -166,6 +192,11 @@ def lower(captured: Captured, cls: str) -> Lowered:
         aliases=captured.aliases,
         viewed_feeds=captured.viewed_feeds,
         viewed_outputs=captured.viewed_outputs,
+        facts={
+            role: GraphFacts.of(model)
+            for role, model in (("forward", forward), ("backward", backward))
+            if model is not None
+        },
     )
 
 
@@ -174,21 +205,19 @@ _KEEP_DROPOUT = ("EliminateDropout",)
 
 def _session_for(
     model: bytes,
+    facts: GraphFacts,
     outputs: list[tuple[str, int]],
     cls: str,
     device: torch.device,
     settings: session.SessionSettings,
 ) -> _Session:
-    import onnx
-
-    proto = onnx.load_from_string(model)
     stream = session.compute_stream(device)
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
     sess, _ = session._session(
         model, device, settings, cls, False, stream=stream, disabled_optimizers=_KEEP_DROPOUT
     )
-    inputs = {value.name: k for k, value in enumerate(proto.graph.input)}
+    inputs = {name: k for k, name in enumerate(facts.inputs)}
     names = [i.name for i in sess.get_inputs()]
     fetches = [o.name for o in sess.get_outputs()]
     return _Session(
@@ -200,7 +229,7 @@ def _session_for(
         run_options=runtime.capi().RunOptions(),
         stream=stream,
         outputs=outputs,
-        draws=rng.draws_per_run(proto),
+        draws=facts.draws,
     )
 
 
@@ -241,10 +270,15 @@ def instantiate(
 ) -> Program:
     """Sessions for both graphs."""
     bridge.use_inference_dlpack()
-    forward = _session_for(lowered.forward, lowered.forward_outputs, cls, device, settings)
+    facts = lowered.facts
+    forward = _session_for(
+        lowered.forward, facts["forward"], lowered.forward_outputs, cls, device, settings
+    )
     backward = None
     if lowered.backward is not None:
-        backward = _session_for(lowered.backward, lowered.backward_outputs, cls, device, settings)
+        backward = _session_for(
+            lowered.backward, facts["backward"], lowered.backward_outputs, cls, device, settings
+        )
     saved_feeds = {k for kind, k in lowered.backward_inputs if kind == "feed"}
     saves_mutated = saved_feeds & set(lowered.mutations.values())
     module_feeds = {k for k, f in enumerate(lowered.feeds) if f.kind != "input"}

@@ -1,11 +1,11 @@
 """First call with a cold and a warm persistent graph cache, each in a fresh process.
 
-    python benchmarks/bench_cache.py [--runs 3]
+    python benchmarks/bench_cache.py [--runs 3] [--backend ort]
 
 The build time is what the engine spends on a cache miss (export + gradient build + session,
 or loading the stored graphs + session); the first call adds the first forward and backward.
 Target: warm build <= 25 % of cold for the TransformerEncoderLayer. Results:
-benchmarks/results/cache.json.
+benchmarks/results/cache.json (`--backend ort`, the plain backend: cache_ort.json).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ort_autopatch.engine import EngineOptions, ModuleEngine
 torch.manual_seed(0)
 layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True)
 x = torch.randn(16, 64, 256)
-engine = ModuleEngine(layer, EngineOptions(cache_dir=sys.argv[1]))
+engine = ModuleEngine(layer, EngineOptions(cache_dir=sys.argv[1], backend=sys.argv[2]))
 start = time.perf_counter()
 engine(x).sum().backward()
 first = time.perf_counter() - start
@@ -41,10 +41,10 @@ print(first, record.export_seconds + record.build_seconds, record.from_disk)
 """
 
 
-def _child(script: Path, cache: Path) -> tuple[float, float, bool]:
+def _child(script: Path, cache: Path, backend: str) -> tuple[float, float, bool]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run(
-        [sys.executable, str(script), str(cache)],
+        [sys.executable, str(script), str(cache), backend],
         capture_output=True,
         text=True,
         env=env,
@@ -56,6 +56,7 @@ def _child(script: Path, cache: Path) -> tuple[float, float, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--backend", default="auto", choices=("auto", "ort", "ort-training"))
     args = parser.parse_args()
     cold_first, cold_build, warm_first, warm_build = [], [], [], []
     with tempfile.TemporaryDirectory() as folder:
@@ -63,16 +64,17 @@ def main() -> None:
         script.write_text(CHILD)
         for run in range(args.runs):
             cache = Path(folder) / f"cache{run}"
-            first, build, from_disk = _child(script, cache)
+            first, build, from_disk = _child(script, cache, args.backend)
             assert not from_disk
             cold_first.append(first)
             cold_build.append(build)
-            first, build, from_disk = _child(script, cache)
+            first, build, from_disk = _child(script, cache, args.backend)
             assert from_disk
             warm_first.append(first)
             warm_build.append(build)
     results = {
         "model": "TransformerEncoderLayer d256 h4 ff1024, input 16x64x256, training",
+        "backend": args.backend,
         "cold_build_s": round(statistics.median(cold_build), 4),
         "warm_build_s": round(statistics.median(warm_build), 4),
         "warm_over_cold_build": round(
@@ -82,8 +84,9 @@ def main() -> None:
         "warm_first_call_s": round(statistics.median(warm_first), 4),
         "runs": args.runs,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    output = RESULTS if args.backend != "ort" else RESULTS.with_name("cache_ort.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
     for key, value in results.items():
         print(f"{key:24} {value}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import operator
 import re
@@ -76,7 +77,11 @@ def implemented() -> frozenset[Any]:
 
     functions, own = _torchlib()
     found = {meta.fx_target for meta in own if meta.opset_introduced <= OPSET}
+    # (without torchvision its operators do not exist; `_get_overload` would warn of each)
+    vision = importlib.util.find_spec("torchvision") is not None
     for name in functions:
+        if name.startswith("torchvision::") and not vision:
+            continue
         target = _registration._get_overload(name)
         if target is not None:
             found.add(target)

@@ -386,6 +386,37 @@ def test_gru_parity() -> None:
         pytest.fail(f"GRU rejected with {type(exc).__name__} ({exc.kind}): {exc}")
 
 
+class LSTMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.fc(out[:, -1])
+
+
+def test_lstm_parity() -> None:
+    """The plain backend traces the LSTM step by step (oneDNN's fused CPU layer has no ONNX
+    form)."""
+    torch.manual_seed(0)
+
+    def inputs(step: int):
+        return (torch.randn(4, 6 + step % 2, 8, generator=_gen(step)),), {}
+
+    run = assert_training_parity(
+        LSTMModel(),
+        inputs,
+        loss_fn=lambda y: (y * y).mean(),
+        optimizer="adamw",
+        lr=1e-3,
+        steps=4,
+        expect_builds=2 if PER_SHAPE else 1,  # two sequence lengths
+    )
+    assert run.engine.records and all(r.has_backward for r in run.engine.records)
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers BertForSequenceClassification
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine import ModuleEngine
+from tests.helpers import plain_backend
 
 
 class Cache:
@@ -52,7 +53,7 @@ def test_each_call_gets_a_fresh_object_with_its_own_tensors() -> None:
         torch.testing.assert_close(got.keys, want.keys)
         assert got.length == want.length == 6 and type(got.length) is int
         assert got.name == "layer"
-    assert engine.builds == 1
+    assert engine.builds == (2 if plain_backend() else 1)  # plain: a graph per input shape
 
 
 def test_the_objects_tensors_carry_gradients() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import budget, export, tracing, trees
+from ort_autopatch.engine import budget, export, objects, tracing, trees
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
 
 
@@ -91,8 +91,16 @@ class _Flat(torch.nn.Module):
         leaves, tree = trees.flatten(result)
         positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.output_spec = export.OutputSpec(tree, constants, positions)
-        return tuple(leaves[k] for k in positions)
+        outputs = [leaves[k] for k in positions]
+        carriers = []  # objects holding tensors (a DynamicCache): their tensors follow
+        for k, leaf in enumerate(constants):
+            found = objects.carrier_of(leaf)
+            if found is not None:
+                constants[k], carried = found
+                outputs.extend(carried)
+                carriers.append(k)
+        self.output_spec = export.OutputSpec(tree, constants, positions, carriers)
+        return tuple(outputs)
 
 
 def _math_attention() -> contextlib.AbstractContextManager[Any]:
@@ -100,6 +108,58 @@ def _math_attention() -> contextlib.AbstractContextManager[Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
+
+
+def _no_causal_hint(mask: Any, is_causal: bool | None = None, size: Any = None) -> bool:
+    return is_causal is True
+
+
+def _masks_as_given() -> contextlib.AbstractContextManager[None]:
+    """`nn.TransformerEncoder`/`Decoder` given a mask and no `is_causal` compare the mask
+    with a causal one (a bool of tensor data, which a trace on fake tensors cannot read) to
+    pass attention a hint. The hint only picks between two computations of the same values
+    (a causal attention, or the mask itself), so for the trace the mask is used as given."""
+    from torch.nn.modules import transformer
+
+    return tracing._swapped(transformer, "_detect_is_causal_mask", _no_causal_hint)
+
+
+@contextlib.contextmanager
+def _generic_recurrent_kernels() -> Iterator[None]:
+    """LSTMs as their gates' matmuls and activations, step by step: on CPU they otherwise
+    trace to oneDNN's fused layer (`mkldnn_rnn_layer`), which has no ONNX form. torch's
+    switch is process-wide: an eager call in another thread meanwhile takes the generic
+    kernels too, with the same values. (`torch.backends.mkldnn.flags` would warn about TF32.)"""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _relisted_rnn_weights() -> Iterator[None]:
+    """Recurrent modules (LSTM, GRU) run on a list of their weights, re-listed in forward
+    when the parameters are other objects than those listed, as they are while aot traces (its
+    stand-ins). That re-listing is a write of forward (`_flat_weight_refs`, refused as a side
+    effect a graph cannot replay) which would leave the module pointing at the stand-ins. For
+    the trace, the list alone is replaced, unseen by the side-effect recorder, and put back."""
+    relisted: list[tuple[torch.nn.RNNBase, Any]] = []
+
+    def relist(self: torch.nn.RNNBase) -> None:
+        if self._weights_have_changed():
+            relisted.append((self, vars(self)["_flat_weights"]))
+            vars(self)["_flat_weights"] = [
+                getattr(self, name, None) for name in self._flat_weights_names
+            ]
+
+    try:
+        with tracing._swapped(torch.nn.RNNBase, "_update_flat_weights", relist):
+            yield
+    finally:
+        for module, weights in reversed(relisted):
+            vars(module)["_flat_weights"] = weights
 
 
 @contextlib.contextmanager
@@ -168,6 +228,9 @@ def capture(
             tracing.export_rewrites(),
             _math_attention(),
             _traceable_batch_norms(module),
+            _relisted_rnn_weights(),
+            _generic_recurrent_kernels(),
+            _masks_as_given(),
         ):
             with budget.enforced_fx():
                 joint = aot_export_joint_with_descriptors(

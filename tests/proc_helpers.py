@@ -15,6 +15,14 @@ PY = sys.executable
 LAUNCHER = (PY, "-m", "ort_autopatch")
 #: A line of ONNX Runtime's C++ logger (`2026-01-01 00:00:00.0 [W:onnxruntime:, file.cc:1 f] ...`).
 ORT_LOG_LINE = re.compile(r"^.*\[[VIWEF]:onnxruntime:.*$", re.M)
+#: The tool's own word that a slow first build is still working (after 2 s: a loaded machine,
+#: the plain backend's trace of forward and backward); a clean stderr may hold it.
+PROGRESS_LINE = re.compile(r"^\[ort_autopatch\] WARNING .*: still building its .*\n?", re.M)
+
+
+def without_progress(stderr: str) -> str:
+    """A run's stderr without the tool's progress lines."""
+    return PROGRESS_LINE.sub("", stderr)
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

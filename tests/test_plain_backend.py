@@ -410,3 +410,57 @@ def test_an_in_place_weight_change_before_backward_raises_as_in_eager() -> None:
         model[2].weight.add_(1.0)
     with pytest.raises(RuntimeError, match="inplace"):
         out.sum().backward()
+
+
+def test_a_tensor_made_from_data_in_forward_is_a_constant_of_the_graph() -> None:
+    """`torch.tensor(...)` in forward (transformers' masks, an empty cache) is lifted into the
+    trace and comes out as the graph's real constant."""
+
+    class Constant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = torch.tensor([0.5, 1.0, 2.0, -1.0])
+            return self.linear(x) * (torch.tensor(1.0) - scale)
+
+    _train_like_eager(Constant(), lambda: (torch.randn(3, 4, requires_grad=True),))
+
+
+def test_a_libraries_data_dependent_shortcut_takes_its_general_path_in_the_trace() -> None:
+    """transformers skips the mask when `torch.all(mask == 1)` unless it is being compiled:
+    the trace answers `torch.compiler.is_compiling()` with True in its own thread only."""
+    seen: list[bool] = []
+
+    class Shortcut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.compiler.is_compiling())
+            if not torch.compiler.is_compiling() and bool(torch.all(mask == 1)):
+                return self.linear(x)
+            return self.linear(x) * mask
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]] * 3)
+    _train_like_eager(Shortcut(), lambda: (torch.randn(3, 4), mask))
+    assert seen[0] and not torch.compiler.is_compiling()
+
+
+def test_an_lstm_trains_like_eager_through_its_generic_kernels() -> None:
+    """On CPU an LSTM traces to oneDNN's fused layer, which has no ONNX form."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 8, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lstm(x)[0]
+
+    model = Recurrent()
+    _train_like_eager(model, lambda: (torch.randn(2, 5, 4, requires_grad=True),))
+    weights = zip(model.lstm._flat_weights, model.lstm.parameters(), strict=True)
+    assert all(w is p for w, p in weights)  # the module's own list, as before the trace

@@ -19,7 +19,9 @@ from torch import nn
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineError, EngineOptions, ExecutionError, persist, runtime
 from ort_autopatch.policy import Fallback
-from tests.helpers import repatch
+from tests.helpers import plain_backend, repatch
+
+PLAIN = plain_backend()
 
 
 class Net(nn.Module):
@@ -99,12 +101,23 @@ def _graphs_kept(model: nn.Module, before: dict[Any, int]) -> None:
 
 
 def _export_failing_midway(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    """The training build's exporter, or the plain backend's trace of forward and backward,
+    runs forward and then fails."""
+
     def broken(model: nn.Module, args: tuple[Any, ...], *a: Any, **k: Any) -> None:
         model(*args)  # the trace ran forward (BatchNorm stats moved, RNG advanced)...
         torch.rand(3)
         random.random()
         raise error  # ...then the exporter failed
 
+    if PLAIN:
+        from torch._functorch import aot_autograd
+
+        def traced(stack: Any, model: nn.Module, args: tuple[Any, ...], **k: Any) -> None:
+            broken(model, args)
+
+        monkeypatch.setattr(aot_autograd, "aot_export_joint_with_descriptors", traced)
+        return
     monkeypatch.setattr(torch.onnx, "export", broken)
 
 
@@ -141,12 +154,39 @@ class _AgentProxy:
         self._agent.run_backward(*args)
 
 
+class _FailingSession:
+    """An InferenceSession whose runs raise (the plain backend's ORT failing)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._sess = self
+        self.error = error
+
+    def run_with_ortvaluevector(self, *args: Any) -> None:
+        raise self.error
+
+
 @pytest.fixture
 def agent_faults(monkeypatch: pytest.MonkeyPatch) -> type[_AgentProxy]:
+    """ORT's forward or backward failing on demand: the training build's TrainingAgent, or
+    the plain backend's forward and backward sessions."""
+    _AgentProxy.fail_forward = _AgentProxy.fail_backward = None
+    if PLAIN:
+        from ort_autopatch.engine.plain import program
+
+        real_run = program._Session.run
+
+        def run(self: Any, cls: str, phase: str, values: Any, kept: Any) -> list[Any]:
+            fault = _AgentProxy.fail_forward if phase == "forward" else _AgentProxy.fail_backward
+            if fault is not None:
+                self = copy.copy(self)
+                self.session = _FailingSession(fault)
+            return real_run(self, cls, phase, values, kept)
+
+        monkeypatch.setattr(program._Session, "run", run)
+        return _AgentProxy
     capi = runtime.capi()
     real = capi.TrainingAgent
     monkeypatch.setattr(capi, "TrainingAgent", lambda *a: _AgentProxy(real(*a)))
-    _AgentProxy.fail_forward = _AgentProxy.fail_backward = None
     return _AgentProxy
 
 
@@ -168,10 +208,25 @@ def test_export_failing_midway_falls_back_with_eager_state(monkeypatch: pytest.M
 def test_gradient_builder_failing_falls_back_with_eager_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The training build's gradient builder; the plain backend's backward graph, built from
+    torch's autograd, failing to become ONNX (an export failure there)."""
     model, twin, x = _pair()
-    monkeypatch.setattr(runtime.capi(), "OrtModuleGraphBuilder", _BrokenBuilder)
+    if PLAIN:
+        from ort_autopatch.engine.plain import lowering
+
+        real = lowering.to_onnx
+
+        def to_onnx(gm: Any, cls: str, what: str) -> bytes:
+            if what == "backward":
+                raise lowering.ExportError(cls, "injected: backward graph failed", "none")
+            return real(gm, cls, what)
+
+        monkeypatch.setattr(lowering, "to_onnx", to_onnx)
+    else:
+        monkeypatch.setattr(runtime.capi(), "OrtModuleGraphBuilder", _BrokenBuilder)
     _fallback_leaves_eager_state(model, twin, x)
-    assert _stats()["fallbacks"][0]["reason"] == "gradient build failed"
+    reason = "export failed" if PLAIN else "gradient build failed"
+    assert _stats()["fallbacks"][0]["reason"] == reason
     _fallback_leaves_eager_state(model, twin, x)
 
 
@@ -179,7 +234,7 @@ def test_session_creation_failing_falls_back_with_eager_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model, twin, x = _pair()
-    ort, _ = runtime.load()
+    ort, _ = runtime.load(training=not PLAIN)
     monkeypatch.setattr(
         ort, "InferenceSession", _failing("InferenceSession", RuntimeError("injected"))
     )
@@ -227,8 +282,9 @@ def test_fallback_disable_raises_the_typed_error_and_leaves_state_untouched(
     model, _, x = _pair()
     before = _state(model)
     _export_failing_midway(monkeypatch, RuntimeError("injected: exporter failed"))
-    with pytest.raises(EngineError, match="export failed"):
+    with pytest.raises(EngineError) as raised:
         model(x)
+    assert raised.value.reason == "export failed"
     _assert_same_state(_state(model), before)
 
 

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import bridge, export, runtime, session
+from ort_autopatch.engine import bridge, export, runtime, session, tracing
 from ort_autopatch.engine.backends import Backend, Progress
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
@@ -73,6 +73,20 @@ class _Program:
     def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
         outputs: Sequence[torch.Tensor] = self.program.run(feeds)
         return outputs
+
+
+def _first_names(miss: Miss) -> dict[str, str]:
+    """Every name of a parameter or buffer -> the name the module's state holds it by (a tied
+    weight is held once, by its first name)."""
+    state = miss.state
+    first = {id(tensor): name for name, tensor in zip(state.names, state.tensors, strict=True)}
+    found = {}
+    for prefix, module in miss.module.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) in first:
+                    found[f"{prefix}.{name}" if prefix else name] = first[id(tensor)]
+    return found
 
 
 class PlainBuild(Backend):
@@ -140,11 +154,14 @@ class PlainBuild(Backend):
             raise AutocastUnsupportedError(cls, refusal, amp.REMEDY)
         names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
         sources: dict[str, tuple[str, Any]] = {}
+        first_names = _first_names(miss)
         for name, feed in zip(names, captured.feeds, strict=True):
             if feed.kind == "input":
                 sources[name] = ("input", int(feed.where))
             elif feed.where in miss.state.index:
                 sources[name] = ("state", str(feed.where))
+            elif str(feed.where) in first_names:  # tied: aot may name it by another name
+                sources[name] = ("state", first_names[str(feed.where)])
             else:
                 raise UnsupportedModelError(
                     cls,
@@ -238,8 +255,10 @@ class PlainBuild(Backend):
             return recipe.output_spec.rebuild(runnable.run(feeds_of(tensors), False))
 
         def run_eager(tensors: list[torch.Tensor]) -> Any:
+            # reentrant checkpointing refuses the check's `autograd.grad`: the wrapped
+            # function runs as it is (the same values), as in the trace
             args, kwargs = spec.rebuild(tensors)
-            with export.stepping_aside():
+            with export.EXPORT_LOCK, export.stepping_aside(), tracing.checkpoint_through_function():
                 return forward(module, *args, **kwargs)
 
         self.last_check = check.first_call(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,30 @@ def _math_attention() -> contextlib.AbstractContextManager[Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
+
+
+_capturing = threading.local()
+
+
+@contextlib.contextmanager
+def _libraries_tracing() -> Iterator[None]:
+    """`torch.compiler.is_compiling()` is True in the capturing thread, as torch.export's
+    non-strict trace sets it: libraries then skip their data-dependent shortcuts (transformers
+    returns no mask when `torch.all(mask == 1)`, a bool of tensor data, which a trace on fake
+    tensors cannot read) for the general computation of the same values. Other threads keep
+    the real answer (torch.export sets a process-wide flag: their patched calls would take
+    the compiled path meanwhile); the patcher holds the original function."""
+    original = torch.compiler.is_compiling
+
+    def is_compiling() -> bool:
+        return bool(getattr(_capturing, "active", False)) or original()
+
+    _capturing.active = True
+    try:
+        with tracing._swapped(torch.compiler, "is_compiling", is_compiling):
+            yield
+    finally:
+        _capturing.active = False
 
 
 def _no_causal_hint(mask: Any, is_causal: bool | None = None, size: Any = None) -> bool:
@@ -223,7 +248,8 @@ def capture(
     try:
         with (
             export.EXPORT_LOCK,  # the rewrites below rebind process-wide state
-            contextlib.ExitStack() as stack,
+            export.preserved_state(module),  # forward's Python RNG draws, a failed trace's writes
+            contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
             export.stepping_aside(),
             tracing.export_rewrites(),
             _math_attention(),
@@ -231,6 +257,7 @@ def capture(
             _relisted_rnn_weights(),
             _generic_recurrent_kernels(),
             _masks_as_given(),
+            _libraries_tracing(),
         ):
             with budget.enforced_fx():
                 joint = aot_export_joint_with_descriptors(
@@ -299,6 +326,9 @@ def capture(
             "Run this class eagerly (the default fallback policy does)",
         ) from exc
     assert flat.output_spec is not None
+    for graph in (forward_gm, backward_gm):
+        if graph is not None:
+            _real_constants(cls, graph)
     captured = Captured(
         forward=forward_gm,
         backward=backward_gm,
@@ -312,6 +342,25 @@ def capture(
     if backward_gm is not None:
         _link(captured, forward_gm, backward_gm, tangents, num_forward)
     return captured
+
+
+def _real_constants(cls: str, gm: torch.fx.GraphModule) -> None:
+    """Tensors forward made from data (`torch.tensor(1.0)`, transformers' masks and empty
+    caches) are the graph's constants, held as the trace's fake tensors: each is replaced by
+    the real value the fake one carries (the translator reads it from the node's `val`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if isinstance(value, FakeTensor):
+            if value.constant is None:
+                raise _refuse(cls, f"a constant tensor of {tuple(value.shape)} made in forward")
+            value = value.constant
+            setattr(gm, node.target, value)
+        if isinstance(value, torch.Tensor):
+            node.meta["val"] = value  # what the exporter's translator reads
 
 
 def _input_aliases(

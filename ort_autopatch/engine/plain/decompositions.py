@@ -60,6 +60,12 @@ TORCH_DECOMPOSED = (
 )
 
 
+#: operators the exporter's table decomposes that a trace must keep: `lift` and `lift_fresh`
+#: turn a constant made in forward (`torch.tensor(1.0)`) into the trace's fake tensor, and
+#: their decomposition (an alias of the real tensor) fails the trace.
+KEPT = (aten.lift.default, aten.lift_fresh.default)
+
+
 class UndecomposableError(NotImplementedError):
     """An operator call this table has no faithful decomposition for (names the operator)."""
 
@@ -387,4 +393,6 @@ def table() -> dict[Any, Callable[..., Any]]:
     )
     found.update(get_decompositions(list(TORCH_DECOMPOSED)))
     found.update(OURS)
+    for op in KEPT:
+        found.pop(op, None)
     return found

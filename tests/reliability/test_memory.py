@@ -18,10 +18,14 @@ import torch
 
 from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineOptions, session
-from tests.helpers import repatch
+from tests.helpers import plain_backend, repatch
 from tests.reliability.models import Encoder, Mlp, TinyLM, rss_mb
 
 ROOT = Path(__file__).resolve().parents[2]
+PLAIN = plain_backend()
+#: sessions a graph with a backward holds: the training build's one (its TrainingAgent's), or
+#: the plain backend's forward and backward InferenceSessions
+TRAINING_SESSIONS = 2 if PLAIN else 1
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +57,7 @@ def test_deleting_a_model_and_its_optimizer_frees_its_sessions() -> None:
     model.eval()
     with torch.no_grad():
         model(torch.randn(6, 8))
-    assert session.live_sessions() == before + 2
+    assert session.live_sessions() == before + TRAINING_SESSIONS + 1  # training, eval graph
     alive = weakref.ref(model)
     del model, opt
     gc.collect()
@@ -76,7 +80,7 @@ def test_sessions_alive_equal_cached_graphs_under_a_small_bound() -> None:
         gc.collect()
         engine = _engine(model)
         assert engine.cached_graphs <= 2
-        assert session.live_sessions() - before == engine.cached_graphs
+        assert session.live_sessions() - before == engine.cached_graphs * TRAINING_SESSIONS
     assert len(earlier) == before
 
 
@@ -118,6 +122,9 @@ def test_only_a_graph_earned_by_a_repeated_shape_allocates_from_the_shared_arena
         for _ in range(3):
             engine(torch.randn(6, 8))  # inference graphs: the dynamic one, then the static one
     built = [s for s in session._live if s not in earlier]
+    if PLAIN:  # every graph is traced for its one shape: two training graphs, one eval graph
+        assert sorted(map(_uses_shared_arena, built)) == [arena] * 5
+        return
     assert sorted(map(_uses_shared_arena, built)) == [False, False, arena, arena]
 
 
@@ -290,9 +297,15 @@ for step in range(steps):
         samples.append(rss_mb())
 engines = [patcher._instances[m].engine for m in models]
 gc.collect()
+# sessions the cached graphs hold: a training graph of the plain backend holds two
+per_graph = [
+    2 if {plain!r} and entry.recipe.has_backward else 1
+    for e in engines for entry in e._cache._entries.values()
+    if hasattr(entry, "recipe")  # not a remembered failure
+]
 print(json.dumps({{"samples": samples, "worst_cache": worst_cache,
                   "cached": sum(e.cached_graphs for e in engines),
-                  "sessions": session.live_sessions()}}))
+                  "held": sum(per_graph), "sessions": session.live_sessions()}}))
 """
 
 
@@ -302,7 +315,7 @@ def _soak(steps: int, every: int, tmp_path: Path) -> dict[str, object]:
     import json
 
     script = tmp_path / "soak.py"
-    script.write_text(textwrap.dedent(SOAK.format(root=str(ROOT))))
+    script.write_text(textwrap.dedent(SOAK.format(root=str(ROOT), plain=PLAIN)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run(
         [sys.executable, str(script), str(steps), str(every)],
@@ -321,7 +334,7 @@ def _check_soak(data: dict[str, object]) -> None:
     warm = samples[len(samples) // 4]  # after warm-up: every signature class seen
     assert max(samples[len(samples) // 4 :]) <= warm * 1.05
     assert data["worst_cache"] <= 8
-    assert data["sessions"] == data["cached"]
+    assert data["sessions"] == data["held"]
 
 
 def test_a_short_soak_keeps_memory_and_caches_bounded(tmp_path: Path) -> None:

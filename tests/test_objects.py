@@ -53,7 +53,8 @@ def test_each_call_gets_a_fresh_object_with_its_own_tensors() -> None:
         torch.testing.assert_close(got.keys, want.keys)
         assert got.length == want.length == 6 and type(got.length) is int
         assert got.name == "layer"
-    assert engine.builds == (2 if plain_backend() else 1)  # plain: a graph per input shape
+    # plain: the first call's shapes get their own graph, the second call a symbolic one
+    assert engine.builds == (2 if plain_backend() else 1)
 
 
 def test_the_objects_tensors_carry_gradients() -> None:

@@ -241,6 +241,7 @@ def test_unchecked_calls_never_feed_another_shape_to_a_static_graph() -> None:
 
 
 @pytest.mark.usefixtures("layer_after_3")
+@HOT_SHAPES
 def test_a_shape_whose_static_graph_cannot_be_built_keeps_the_dynamic_graph(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

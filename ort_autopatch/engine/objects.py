@@ -97,6 +97,9 @@ def _strip(value: Any, found: list[torch.Tensor], depth: int, seen: set[int]) ->
     if isinstance(value, torch.Tensor):
         found.append(value)
         return _NUMBER if _traced_from_sizes(value) else _SLOT
+    if isinstance(value, torch.SymInt):  # a size the plain backend's trace keeps symbolic
+        found.append(torch.scalar_tensor(value, dtype=torch.int64))  # type: ignore[arg-type]
+        return _NUMBER
     if depth >= MAX_DEPTH or id(value) in seen:
         return value
     seen.add(id(value))

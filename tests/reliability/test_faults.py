@@ -95,6 +95,17 @@ def _graphs(model: nn.Module) -> dict[Any, int]:
     return {key: id(value) for key, value in entries.items()}
 
 
+def _built_and_working(model: nn.Module, twin: nn.Module, x: torch.Tensor) -> None:
+    """Steps of both until a step builds nothing (the plain backend's shape that comes back
+    earns its own graph after the first call's)."""
+    for _ in range(5):
+        before = _graphs(model) if model in patcher._instances else None
+        _step(model, x), _eager_step(twin, x)
+        if _graphs(model) == before:
+            return
+    raise AssertionError("every step built a graph")
+
+
 def _graphs_kept(model: nn.Module, before: dict[Any, int]) -> None:
     """A failure while running a built graph neither drops, replaces nor poisons its entry."""
     assert _graphs(model) == before
@@ -246,9 +257,8 @@ def test_ort_failing_inside_forward_falls_back_and_the_next_call_runs_in_ort(
     agent_faults: type[_AgentProxy],
 ) -> None:
     model, twin, x = _pair()
-    _step(model, x), _eager_step(twin, x)  # built and working
+    _built_and_working(model, twin, x)
     graphs = _graphs(model)
-    assert len(graphs) == 1
     agent_faults.fail_forward = RuntimeError("injected: ORT forward failed")
     _fallback_leaves_eager_state(model, twin, x)
     agent_faults.fail_forward = None
@@ -262,7 +272,7 @@ def test_ort_failing_inside_backward_raises_typed_and_writes_no_gradient(
     agent_faults: type[_AgentProxy],
 ) -> None:
     model, twin, x = _pair()
-    _step(model, x), _eager_step(twin, x)
+    _built_and_working(model, twin, x)
     model.zero_grad(set_to_none=True)
     twin.zero_grad(set_to_none=True)
     agent_faults.fail_backward = RuntimeError("injected: ORT backward failed")
@@ -308,7 +318,7 @@ def test_keyboard_interrupt_during_a_step_propagates_and_the_next_call_works(
     agent_faults: type[_AgentProxy],
 ) -> None:
     model, twin, x = _pair()
-    _step(model, x), _eager_step(twin, x)
+    _built_and_working(model, twin, x)
     graphs = _graphs(model)
     before = _state(model)
     agent_faults.fail_forward = KeyboardInterrupt()

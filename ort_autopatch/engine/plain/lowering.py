@@ -18,7 +18,6 @@ import contextlib
 import functools
 import importlib.util
 import logging
-import operator
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -130,11 +129,9 @@ def registry_for(targets: Iterable[Any]) -> Any:
 
 
 def _targets(gm: torch.fx.GraphModule) -> set[Any]:
-    return {
-        node.target
-        for node in gm.graph.nodes
-        if node.op == "call_function" and node.target is not operator.getitem
-    }
+    """The graph's call targets; `operator.getitem` among them, which the translator looks up
+    for an item of a list output (`split`'s, in an LSTM or GRU)."""
+    return {node.target for node in gm.graph.nodes if node.op == "call_function"}
 
 
 def missing_operators(gm: torch.fx.GraphModule) -> list[str]:

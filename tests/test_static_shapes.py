@@ -30,8 +30,9 @@ AFTER = 8  # the default of --static-after
 #: shape earns a static one (its graph per shape is held to eager in test_engine_semantics)
 HOT_SHAPES = pytest.mark.skipif(
     plain_backend(),
-    reason="static-shape graphs earned beside the dynamic one are the training build's; the "
-    "plain backend's graphs are each traced for one shape",
+    reason="these counts follow the training build's order (a dynamic graph first, static ones "
+    "earned beside it); the plain backend traces its first graph for one shape and symbols from "
+    "the second shape on (tests/test_plain_dynamic_shapes.py counts its graphs)",
 )
 
 

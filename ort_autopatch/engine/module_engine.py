@@ -304,7 +304,9 @@ class ModuleEngine:
             try:
                 entry = self._cache.get_or_build(
                     key,
-                    lambda: self._build(module, state, call, grad, reason, hot, autocast, base),
+                    lambda: self._build(
+                        module, state, call, grad, reason, hot, autocast, base, requires
+                    ),
                 )
             except BuildOverBudget as exc:
                 self._cache.refuse(key, exc)  # trying again would cost as much again
@@ -312,6 +314,7 @@ class ModuleEngine:
             # The build may have switched to static shapes or taught the guards new
             # attributes: file the graph under the key later calls will compute.
             if self._guarded:  # filed by its guards (`_build` made them known)
+                base = self._base(grad, call, requires, autocast)
                 settled = self._sizes.key_of(base, self._size_guards(entry, call))
             else:
                 settled = self._key(grad, call, requires, hot, autocast)
@@ -343,6 +346,14 @@ class ModuleEngine:
         found = self._sizes.classify(key, call.shapes(), self._cache.holds)
         return found if found is not None else dataclasses.replace(key, shapes=call.shapes())
 
+    def _base(
+        self, grad: bool, call: signature.FlatCall, requires: list[bool], autocast: amp.State
+    ) -> CallKey:
+        """The call's key without its sizes, under the guards known now (a build may have
+        taught them attributes forward reads: the key before it lacks them)."""
+        key = self._keys.key(grad, call.signature, None, requires, autocast)
+        return dataclasses.replace(key, shapes=None)
+
     @staticmethod
     def _size_guards(entry: Entry, call: signature.FlatCall) -> SizeGuards:
         guards = entry.recipe.size_guards
@@ -371,6 +382,7 @@ class ModuleEngine:
         hot: Shapes | None,
         autocast: amp.State,
         base: CallKey,
+        requires: list[bool],
     ) -> Entry:
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
@@ -390,6 +402,8 @@ class ModuleEngine:
             entry = self._builder.build(miss, reason)
         finally:
             # what the build learned holds even when it failed: the model specialises on sizes
+            if self._guarded:
+                base = self._base(grad, call, requires, autocast)
             if miss.per_shape and self._guarded:
                 self._sizes.static_only(base)
             elif miss.per_shape:

@@ -5,7 +5,8 @@
   and `tests_torch214`.
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
-- `tests_plain`: the plain backend's tests on the latest (inference-only) onnxruntime.
+- `tests_plain`: the whole suite on the plain backend and the latest (inference-only)
+  onnxruntime, but for the gaps issue 23 still owes (PLAIN_GAPS).
 - `tests_torch214`: what can differ between torch releases (export, parity, torchvision's
   models) on torch 2.14.1 with torchvision 0.29.1.
 - `tests_torch215`: the whole suite on torch 2.15 (a download of several GB; not run by CI).
@@ -96,26 +97,56 @@ def tests_transformers5(session: nox.Session) -> None:
     session.run("pytest", "-q", "-p", "no:cacheprovider", *TRANSFORMERS_TESTS, *session.posargs)
 
 
-# The plain backend's tests (inference-only onnxruntime, graphs from torch's autograd), in an
-# environment with the maintained onnxruntime and no training build: the two packages cannot
-# share one. The parity suite and the engine's semantics run here too, on the plain backend
-# (about a minute, and 30 s); the rest of the suite runs on the training build in `tests`.
-PLAIN_TESTS = (
-    "tests/test_plain_decompositions.py",
-    "tests/test_plain_backend.py",
-    "tests/test_plain_engine.py",
-    "tests/test_plain_dynamic_shapes.py",
-    "tests/test_engine_parity.py",
-    "tests/test_engine_semantics.py",
+# The whole suite again on the plain backend (inference-only onnxruntime, graphs from torch's
+# autograd), in an environment with the maintained onnxruntime and no training build: the two
+# packages cannot share one. Tests that only make sense on one backend skip with the reason.
+# PLAIN_GAPS are what issue 23 still owes on this backend (each fails today, for the reason
+# named): they stay listed here, not skipped in the tests, so the list shrinks as they are done
+# and a newly passing one is noticed by running it (`nox -s tests_plain -- <node id>`).
+PLAIN_GAPS = (
+    # a plain tensor attribute read by forward is not a fake tensor in aot's trace
+    "tests/test_callkey.py::test_a_list_attribute_appended_to_in_place_selects_another_graph",
+    "tests/test_callkey.py::test_a_tensor_attribute_updated_in_place_selects_another_graph",
+    "tests/test_callkey.py::test_an_equal_value_in_a_new_object_keeps_its_graph",
+    "tests/test_side_effects.py::test_a_mask_cached_on_the_module_is_written_back_as_eager_writes_it",
+    "tests/test_side_effects.py::test_a_detached_hidden_state_kept_by_forward_is_detached_and",
+    "tests/test_input_variety.py::test_a_tensor_attribute_replaced_or_changed_in_place_rebuilds",
+    # graph counts, rebuild reasons and verify counters written for the training build's export
+    "tests/test_input_variety.py::test_len_of_the_batch_gives_each_batch_size_its_own_graph",
+    "tests/test_input_variety.py::test_a_loop_over_time_runs_each_length_through_its_own_graph",
+    "tests/test_input_variety.py::test_int_of_a_size_is_recomputed_for_every_call",
+    "tests/test_input_variety.py::test_a_branch_on_a_size_keeps_one_graph_until_the_branch_flips",
+    "tests/test_input_variety.py::test_a_branch_on_values_runs_in_pytorch_with_the_reason_and",
+    "tests/test_input_variety.py::test_split_over_time_gives_each_length_its_own_graph",
+    "tests/test_input_variety.py::test_attention_runs_every_new_length_in_one_graph",
+    "tests/test_input_variety.py::test_eval_between_training_steps_reads_as_a_mode_change",
+    "tests/test_input_variety.py::test_400_steps_of_random_batch_sizes_and_lengths_stay_in_ort",
+    "tests/test_input_variety.py::test_verify_reports_the_worst_difference_and_leaves_the_users",
+    "tests/test_input_variety.py::test_verify_says_a_graph_with_dropout_was_not_verified",
+    "tests/test_input_variety.py::test_a_verification_that_cannot_be_made_is_reported_and_the",
+    # FSDP2: rebuilds around unshard, and checkpoint_wrapper's recompute is not honoured
+    "tests/test_fsdp2.py::test_sharded_blocks_train_in_ort_with_eager_fsdp2_numbers",
+    "tests/test_fsdp2.py::test_eval_and_no_grad_passes_between_steps_run_in_ort_with_eager",
+    "tests/test_fsdp2.py::test_root_and_blocks_selected_blocks_in_ort_root_eager_with_reason",
+    "tests/test_fsdp2.py::test_sharded_root_selected_trains_in_ort",
+    # a refused trace costs 18-25 CPU s (aot's first run on fake tensors counts nothing yet)
+    "tests/test_build_budget.py::test_an_unrolled_loop_of_1000_steps_runs_about_as_fast_as_plain",
+    # one of 40 calls ran eagerly in a whole-suite run (it passes alone): a race to find
+    "tests/reliability/test_concurrency.py::test_four_threads_training_their_own_instances_match",
+    # RSS grows 502 -> 542 MB after warm-up, over the 5 % bound
+    "tests/reliability/test_memory.py::test_a_short_soak_keeps_memory_and_caches_bounded",
 )
 
 
 @nox.session(python=PYTHON)
 def tests_plain(session: nox.Session) -> None:
-    """The plain backend's tests on the latest onnxruntime (`nox -s tests` runs it)."""
+    """The whole suite on the plain backend and the latest onnxruntime (`nox -s tests` runs
+    it), but for PLAIN_GAPS."""
     session.install(TORCH)
     session.install("-e", ".[cpu]", *TEST_DEPS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *PLAIN_TESTS, *session.posargs)
+    gaps = [f"--deselect={gap}" for gap in PLAIN_GAPS] if not session.posargs else []
+    args = ("-q", "-p", "no:cacheprovider", "--durations=15", *gaps)
+    session.run("pytest", *args, *session.posargs)
 
 
 # What can differ between torch releases: the export (the TorchScript exporter's internals,

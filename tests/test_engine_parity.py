@@ -421,19 +421,7 @@ def test_lstm_parity() -> None:
 # transformers BertForSequenceClassification
 @pytest.mark.parametrize(
     "attn_implementation",
-    [
-        "eager",
-        pytest.param(
-            "sdpa",
-            marks=pytest.mark.xfail(
-                PER_SHAPE,
-                reason="plain backend: transformers' sdpa mask asks whether every position is "
-                "attended (a data-dependent bool), which aot's trace on fake tensors cannot "
-                "answer; the class runs in PyTorch with that reason",
-                strict=True,
-            ),
-        ),
-    ],
+    ["eager", "sdpa"],
 )
 def test_bert_for_sequence_classification_parity(attn_implementation: str) -> None:
     import transformers

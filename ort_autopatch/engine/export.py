@@ -115,6 +115,23 @@ class OutputSpec:
     tensor_positions: list[int]
     carriers: list[int] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, result: Any) -> tuple[OutputSpec, list[torch.Tensor]]:
+        """The spec of what forward returned, and its tensors in graph-output order (the
+        tensor leaves, then the tensors of each carrier)."""
+        leaves, spec = trees.flatten(result)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        outputs = [leaves[i] for i in positions]
+        carriers = []
+        for i, leaf in enumerate(constants):
+            found = objects.carrier_of(leaf)
+            if found is not None:
+                constants[i], carried = found
+                outputs.extend(carried)
+                carriers.append(i)
+        return cls(spec, constants, positions, carriers), outputs
+
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         if self.spec.is_leaf() and self.tensor_positions and not self.carriers:
             return tensors[0]  # forward returned one tensor: no tree to rebuild
@@ -192,18 +209,7 @@ class _FlatModule(torch.nn.Module):
         }
         if updated:  # forward updates buffers in place: the graph returns their new values
             result = BufferUpdates(result, updated)
-        leaves, spec = trees.flatten(result)
-        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        outputs = [leaves[i] for i in positions]
-        carriers = []
-        for i, leaf in enumerate(constants):
-            found = objects.carrier_of(leaf)
-            if found is not None:
-                constants[i], carried = found
-                outputs.extend(carried)
-                carriers.append(i)
-        self.output_spec = OutputSpec(spec, constants, positions, carriers)
+        self.output_spec, outputs = OutputSpec.of(result)
         # Values the trace took from sizes, recomputed by the graph as its last outputs.
         checks = hazards.take_checks() if self.with_checks else []
         if checks:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import budget, export, objects, tracing, trees
+from ort_autopatch.engine import budget, export, tracing
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
 
 
@@ -89,18 +89,7 @@ class _Flat(torch.nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._spec.rebuild(tensors)
         result = self._call(self.m, *args, **kwargs)
-        leaves, tree = trees.flatten(result)
-        positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        outputs = [leaves[k] for k in positions]
-        carriers = []  # objects holding tensors (a DynamicCache): their tensors follow
-        for k, leaf in enumerate(constants):
-            found = objects.carrier_of(leaf)
-            if found is not None:
-                constants[k], carried = found
-                outputs.extend(carried)
-                carriers.append(k)
-        self.output_spec = export.OutputSpec(tree, constants, positions, carriers)
+        self.output_spec, outputs = export.OutputSpec.of(result)
         return tuple(outputs)
 
 

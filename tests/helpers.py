@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -238,3 +239,33 @@ def class_stats(cls: type) -> Any:
     from ort_autopatch import patcher, report
 
     return report.stats_for(patcher.class_name(cls))
+
+
+def store_invalid_graphs(cache_dir: Path) -> bytes:
+    """Overwrite every graph stored under `cache_dir` with one that is not valid ONNX (a node
+    reads a tensor nothing produces) and whose checksum matches: only ONNX's checker or ONNX
+    Runtime can tell. Returns the bytes written."""
+    import json
+
+    from onnx import TensorProto, helper
+
+    from ort_autopatch.engine.store import digest_bytes
+
+    bad: bytes = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Relu", ["ghost"], ["y"])],
+            "bad",
+            [],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+    ).SerializeToString()
+    sidecars = [p for p in cache_dir.rglob("*.json") if p.name != "paths.json"]
+    assert sidecars, f"nothing stored under {cache_dir}"
+    for sidecar in sidecars:
+        meta = json.loads(sidecar.read_text())
+        stem = sidecar.name[: -len(".json")]
+        for part in meta["graphs"]:
+            (sidecar.parent / f"{stem}.{part}.onnx").write_bytes(bad)
+            meta["graphs"][part] = digest_bytes(bad)
+        sidecar.write_text(json.dumps(meta))
+    return bad

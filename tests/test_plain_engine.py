@@ -14,6 +14,7 @@ from torch import nn
 from ort_autopatch.engine import ModuleEngine
 from ort_autopatch.engine.errors import EngineError
 from ort_autopatch.engine.recipe import EngineOptions
+from tests.helpers import store_invalid_graphs
 from tests.plain_helpers import PLAIN_READY, SKIP_REASON, ran_in_plain_ort
 
 pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
@@ -200,32 +201,10 @@ def test_a_stored_graph_onnx_runtime_refuses_is_rebuilt(tmp_path: Path) -> None:
     """A stored graph is not run through `onnx.checker` (its import alone costs a second):
     one whose checksum fits but which is not valid ONNX is refused by ONNX Runtime as it
     loads it, and the call builds its graph again."""
-    import json
-
-    from onnx import TensorProto, helper
-
-    from ort_autopatch.engine.store import digest_bytes
-
     options = EngineOptions(backend="ort", threads=1, cache_dir=tmp_path)
     x = torch.randn(5, 6)
     ModuleEngine(_net(), options)(x)
-    bad = helper.make_model(  # a node reads a tensor nothing produces
-        helper.make_graph(
-            [helper.make_node("Relu", ["ghost"], ["y"])],
-            "bad",
-            [],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
-        )
-    ).SerializeToString()
-    sidecars = [p for p in tmp_path.rglob("*.json") if p.name != "paths.json"]
-    assert sidecars
-    for sidecar in sidecars:
-        meta = json.loads(sidecar.read_text())
-        stem = sidecar.name[: -len(".json")]
-        for part in meta["graphs"]:
-            (sidecar.parent / f"{stem}.{part}.onnx").write_bytes(bad)
-            meta["graphs"][part] = digest_bytes(bad)
-        sidecar.write_text(json.dumps(meta))
+    store_invalid_graphs(tmp_path)
     engine = ModuleEngine(_net(), options)
     out = engine(x)
     assert [r.from_disk for r in engine.records] == [False]

@@ -3,7 +3,6 @@ from disk but checked ONNX and JSON."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -12,11 +11,11 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
 from torch import nn
 
 from ort_autopatch.engine import EngineOptions, ModuleEngine, persist
-from ort_autopatch.engine.store import GraphStore, digest_bytes
+from ort_autopatch.engine.store import GraphStore
+from tests.helpers import store_invalid_graphs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,24 +57,8 @@ def test_a_checksummed_but_invalid_graph_is_rejected_by_the_checker(tmp_path: Pa
     model = Small()
     ModuleEngine(model, EngineOptions(cache_dir=tmp_path))(torch.randn(3, 4))
     # Replace every stored graph by an invalid one with a matching checksum: only the checker
-    # can tell (a node reads a tensor nobody produces).
-    bad = helper.make_model(
-        helper.make_graph(
-            [helper.make_node("Relu", ["ghost"], ["y"])],
-            "bad",
-            [],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
-        )
-    ).SerializeToString()
-    for sidecar in tmp_path.rglob("*.json"):
-        if sidecar.name == "paths.json":
-            continue
-        meta = json.loads(sidecar.read_text())
-        stem = sidecar.name[: -len(".json")]
-        for part in meta["graphs"]:
-            (sidecar.parent / f"{stem}.{part}.onnx").write_bytes(bad)
-            meta["graphs"][part] = digest_bytes(bad)
-        sidecar.write_text(json.dumps(meta))
+    # can tell.
+    bad = store_invalid_graphs(tmp_path)
     with pytest.raises(onnx.checker.ValidationError):
         onnx.checker.check_model(onnx.load_from_string(bad))
     persist._stores.clear()

@@ -218,6 +218,24 @@ def _cumulative_batch_norm(
     return out
 
 
+@contextlib.contextmanager
+def real_constants_allowed() -> Iterator[None]:
+    """Tensors forward reads that are neither the call's inputs nor the module's parameters
+    and buffers (a plain tensor attribute: a cached mask, a carried-over hidden state) are
+    constants of the graph, as the training build's trace bakes them: fake tensor modes in
+    this thread (the trace's, and the exporter's type promotion pass) take them as they are.
+    The call key guards each attribute by identity and version, so a new tensor or an
+    in-place change selects another graph."""
+    from torch._subclasses.fake_tensor import fake_tensor_tls
+
+    previous = fake_tensor_tls.allow_non_fake_inputs_override
+    fake_tensor_tls.allow_non_fake_inputs_override = True
+    try:
+        yield
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = previous
+
+
 def capture(
     module: torch.nn.Module,
     forward: Callable[..., Any],
@@ -247,6 +265,7 @@ def capture(
             _generic_recurrent_kernels(),
             _masks_as_given(),
             _libraries_tracing(),
+            real_constants_allowed(),
         ):
             with budget.enforced_fx():
                 joint = aot_export_joint_with_descriptors(
@@ -336,7 +355,10 @@ def capture(
 def _real_constants(cls: str, gm: torch.fx.GraphModule) -> None:
     """Tensors forward made from data (`torch.tensor(1.0)`, transformers' masks and empty
     caches) are the graph's constants, held as the trace's fake tensors: each is replaced by
-    the real value the fake one carries (the translator reads it from the node's `val`)."""
+    the real value the fake one carries (the translator reads it from the node's `val`).
+    Tensors forward read from attributes are constants as they are (`real_constants_allowed`);
+    one that requires grad is refused in grad mode: eager would give it a gradient, and a
+    constant has none."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     for node in gm.graph.nodes:
@@ -348,6 +370,14 @@ def _real_constants(cls: str, gm: torch.fx.GraphModule) -> None:
                 raise _refuse(cls, f"a constant tensor of {tuple(value.shape)} made in forward")
             value = value.constant
             setattr(gm, node.target, value)
+        elif isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+            raise UnsupportedModelError(
+                cls,
+                f"forward reads a tensor of {tuple(value.shape)} that requires grad and is "
+                "neither an input nor a parameter: a graph would hold it as a constant, "
+                "without its gradient",
+                "It runs in PyTorch; make it an nn.Parameter or pass it as an argument",
+            )
         if isinstance(value, torch.Tensor):
             node.meta["val"] = value  # what the exporter's translator reads
 

@@ -159,6 +159,8 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str) -> bytes:
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
+    from ort_autopatch.engine.plain.capture import real_constants_allowed
+
     missing = missing_operators(gm)
     if missing:
         raise ExportError(
@@ -172,7 +174,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str) -> bytes:
         producer_name="ort_autopatch",
     )
     try:
-        with _quiet():
+        with _quiet(), real_constants_allowed():  # type promotion runs the graph on fakes
             _fx_passes.insert_type_promotion_nodes(gm)
             _core._translate_fx_graph(
                 gm.graph,

@@ -104,13 +104,6 @@ def tests_transformers5(session: nox.Session) -> None:
 # named): they stay listed here, not skipped in the tests, so the list shrinks as they are done
 # and a newly passing one is noticed by running it (`nox -s tests_plain -- <node id>`).
 PLAIN_GAPS = (
-    # a plain tensor attribute read by forward is not a fake tensor in aot's trace
-    "tests/test_callkey.py::test_a_list_attribute_appended_to_in_place_selects_another_graph",
-    "tests/test_callkey.py::test_a_tensor_attribute_updated_in_place_selects_another_graph",
-    "tests/test_callkey.py::test_an_equal_value_in_a_new_object_keeps_its_graph",
-    "tests/test_side_effects.py::test_a_mask_cached_on_the_module_is_written_back_as_eager_writes_it",
-    "tests/test_side_effects.py::test_a_detached_hidden_state_kept_by_forward_is_detached_and",
-    "tests/test_input_variety.py::test_a_tensor_attribute_replaced_or_changed_in_place_rebuilds",
     # graph counts, rebuild reasons and verify counters written for the training build's export
     "tests/test_input_variety.py::test_len_of_the_batch_gives_each_batch_size_its_own_graph",
     "tests/test_input_variety.py::test_a_loop_over_time_runs_each_length_through_its_own_graph",

@@ -468,7 +468,14 @@ def traced_constant(tensor: torch.Tensor) -> bool:
 
 def traced_detached(tensor: torch.Tensor) -> bool:
     """Whether the trace in progress made `tensor` with `.detach()`: the graph's output for it
-    is attached to ORT's autograd node, and eager's value was not."""
+    is attached to ORT's autograd node, and eager's value was not. In aot_autograd's trace
+    (the plain backend's: fake tensors, autograd live), any tensor that requires no grad:
+    eager's value has none either."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if isinstance(tensor, (FakeTensor, FunctionalTensor)):
+        return not tensor.requires_grad
     value = _traced_value(tensor)
     return value is not None and bool(value.node().kind() == "aten::detach")
 

@@ -124,8 +124,6 @@ PLAIN_GAPS = (
     "tests/test_fsdp2.py::test_sharded_root_selected_trains_in_ort",
     # a refused trace costs 18-25 CPU s (aot's first run on fake tensors counts nothing yet)
     "tests/test_build_budget.py::test_an_unrolled_loop_of_1000_steps_runs_about_as_fast_as_plain",
-    # one of 40 calls ran eagerly in a whole-suite run (it passes alone): a race to find
-    "tests/reliability/test_concurrency.py::test_four_threads_training_their_own_instances_match",
     # RSS grows 502 -> 542 MB after warm-up, over the 5 % bound
     "tests/reliability/test_memory.py::test_a_short_soak_keeps_memory_and_caches_bounded",
 )

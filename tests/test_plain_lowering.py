@@ -42,3 +42,37 @@ def test_the_operators_named_as_translated_are_the_full_registrys() -> None:
 
     full = set(_decomp.get_onnx_implemented_overloads(_full_registry()))
     assert lowering.implemented() == full
+
+
+def test_the_exporters_passes_run_under_the_export_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The type-promotion pass sets torch.fx's process-wide `preserve_node_meta` flag and puts
+    back what it found: outside the lock every trace holds, a lowering in one thread ended
+    another thread's aot trace under way ("expected preserved node meta")."""
+    import threading
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.onnx._internal.exporter import _fx_passes
+
+    from ort_autopatch.engine.export import EXPORT_LOCK
+    from ort_autopatch.engine.plain import lowering
+
+    free_to_others: list[bool] = []
+    promote = _fx_passes.insert_type_promotion_nodes
+
+    def probed(gm: torch.fx.GraphModule) -> None:
+        def probe() -> None:  # another thread's trace: may it start now?
+            taken = EXPORT_LOCK.acquire(blocking=False)
+            if taken:
+                EXPORT_LOCK.release()
+            free_to_others.append(taken)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        promote(gm)
+
+    monkeypatch.setattr(_fx_passes, "insert_type_promotion_nodes", probed)
+    gm = make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(torch.randn(3))
+    assert lowering.to_onnx(gm, "Net", "forward")
+    assert free_to_others == [False]

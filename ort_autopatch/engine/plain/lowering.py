@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine.errors import ExportError
+from ort_autopatch.engine.export import EXPORT_LOCK
 
 OPSET = 18  # torchlib's own opset: its functions are written for it
 
@@ -174,7 +175,12 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str) -> bytes:
         producer_name="ort_autopatch",
     )
     try:
-        with _quiet(), real_constants_allowed():  # type promotion runs the graph on fakes
+        # Under the export lock, as every trace: the type-promotion pass sets torch.fx's
+        # process-wide `preserve_node_meta` flag and puts back what it found, which ended
+        # another thread's aot trace under way ("expected preserved node meta"), and `_quiet`
+        # sets a process-wide logger level; real constants pass, as type promotion runs the
+        # graph on fakes.
+        with EXPORT_LOCK, _quiet(), real_constants_allowed():
             _fx_passes.insert_type_promotion_nodes(gm)
             _core._translate_fx_graph(
                 gm.graph,

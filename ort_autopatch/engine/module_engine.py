@@ -398,6 +398,8 @@ class ModuleEngine:
             miss.dynamic = (
                 None if hot is not None else self._sizes.dynamic_dims(base, call.shapes())
             )
+            # the key's symbolic traces failed: this graph is one per shape for that reason
+            miss.per_shape |= hot is None and self._sizes.per_shape(base)
         try:
             entry = self._builder.build(miss, reason)
         finally:
@@ -405,7 +407,7 @@ class ModuleEngine:
             if self._guarded:
                 base = self._base(grad, call, requires, autocast)
             if miss.per_shape and self._guarded:
-                self._sizes.static_only(base)
+                self._sizes.static_only(base, miss.per_shape_cause)
             elif miss.per_shape:
                 self._per_shape = True
         if self._guarded:

@@ -119,6 +119,9 @@ class Miss:
     #: (None: the call's shapes exactly); the build clears it when a symbolic trace fails
     dynamic: Dims | None = None
     guarded: bool = False
+    #: why the graph serves only the call's shapes when the model's code made it so (a size
+    #: read as a Python value, and where): the rebuild reason of the key's later graphs
+    per_shape_cause: str = ""
 
     def shapes(self) -> Shapes | None:
         """The input shapes the graph is built and keyed for (-1 for a dimension traced as a

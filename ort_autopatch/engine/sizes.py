@@ -201,7 +201,8 @@ class SizeClasses:
         self._last: dict[Hashable, SizeGuards] = {}  # base key -> the guards last admitting
         self._seen: dict[Hashable, Shapes] = {}  # base key -> the first shapes built for
         self._varied: dict[Hashable, set[tuple[int, int]]] = {}  # base -> (input, dim)
-        self._static_only: set[Hashable] = set()  # symbolic traces failed for this base
+        # base -> why symbolic traces fail for it (a size read as a Python value, and where)
+        self._static_only: dict[Hashable, str] = {}
         self._exact: dict[tuple[Hashable, Shapes], Any] = {}  # see `exact`
 
     def classify(self, base: Any, shapes: Shapes, held: Callable[[Any], bool]) -> Any | None:
@@ -224,7 +225,12 @@ class SizeClasses:
         return guards is not None and guards.admits(shapes)
 
     def reason(self, base: Any, shapes: Shapes) -> str | None:
-        """Why no graph of `base` admits `shapes`: the failing guard of the graph last used."""
+        """Why no graph of `base` admits `shapes`: the model's code that reads sizes as
+        Python values, once symbolic traces of `base` fail for it, else the failing guard of
+        the graph last used."""
+        cause = self._static_only.get(base)
+        if cause:
+            return cause
         guards = self._last.get(base)
         if guards is None:
             families = self._families.get(base)
@@ -249,6 +255,9 @@ class SizeClasses:
         """File a graph built for `base` with `guards`; its key."""
         key = self.key_of(base, guards)
         with self._lock:
+            # the first shapes of `base` as the build filed it: a build may teach the guards
+            # attributes, so the base the call asked `dynamic_dims` for had none of them
+            self._seen.setdefault(base, guards.traced)
             kept = [(g, k) for g, k in self._families.get(base, []) if k != key]
             # graphs for one shape first: faster than a symbolic one where both admit a call
             exact = [(g, k) for g, k in kept if not g.is_dynamic]
@@ -281,9 +290,15 @@ class SizeClasses:
             )
             return dims if any(dims) else None
 
-    def static_only(self, base: Any) -> None:
-        """Symbolic traces fail (or specialise) for `base`: one graph per shape from now on."""
-        self._static_only.add(base)
+    def static_only(self, base: Any, cause: str = "") -> None:
+        """Symbolic traces fail (or specialise) for `base`: one graph per shape from now on;
+        `cause` is the rebuild reason of its later graphs."""
+        with self._lock:
+            self._static_only.setdefault(base, cause)
+
+    def per_shape(self, base: Any) -> bool:
+        """Whether `base` gets one graph per input shape (its symbolic traces failed)."""
+        return base in self._static_only
 
     def clear(self) -> None:
         with self._lock:

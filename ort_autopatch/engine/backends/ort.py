@@ -29,14 +29,17 @@ from typing import Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import bridge, export, runtime, session, tracing
+from ort_autopatch.engine import bridge, export, hazards, runtime, session, tracing
 from ort_autopatch.engine.backends import Backend, Progress
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
+    DataDependentError,
+    ExportError,
     RuntimeUnavailableError,
     UnsupportedInputError,
     UnsupportedModelError,
 )
+from ort_autopatch.engine.plain import hazards as plain_hazards
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.sizes import SizeGuards
@@ -143,9 +146,12 @@ class PlainBuild(Backend):
             built = self._symbolic(miss, progress)
         if built is None:
             progress.phase = "tracing forward and backward"
-            captured = capture.capture(
-                miss.module, self.forward, call.spec(), call.tensors, cls, decompositions.table()
-            )
+            try:
+                captured = capture.capture(
+                    miss.module, self.forward, call.spec(), call.tensors, cls, decompositions.table()
+                )
+            except ExportError as exc:
+                raise self._data_dependent(exc) or exc
             progress.phase = "lowering to ONNX"
             built = captured, program.lower(captured, cls), SizeGuards(call.shapes())
         captured, lowered, guards = built
@@ -193,11 +199,16 @@ class PlainBuild(Backend):
         progress.phase = "tracing forward and backward with symbolic sizes"
         try:
             env, fakes = symbolic.fake_inputs(call.tensors, miss.dynamic)
+            plain_hazards.locate_guards(env)
             captured = capture.capture(
                 miss.module, self.forward, call.spec(), fakes, cls, decompositions.table()
             )
+            found = plain_hazards.size_hazards(env)
+            self._found(found)
             guards = symbolic.size_guards(env, fakes, call.shapes())
             if not guards.is_dynamic:
+                if found:  # the model's code fixed them: its later graphs say where
+                    miss.per_shape_cause = f"sizes change a traced value ({found[0].where})"
                 raise ValueError("the trace fixed every symbolic size")
             for gm in (captured.forward, captured.backward):
                 if gm is not None:
@@ -209,6 +220,28 @@ class PlainBuild(Backend):
             miss.dynamic, miss.per_shape = None, True
             return None
         return captured, lowered, guards
+
+    def _found(self, found: Sequence[hazards.Hazard]) -> None:
+        """Keep the hazards a trace found, each once, for the report."""
+        known = set(self.hazards)
+        self.hazards.extend(h for h in found if h not in known)
+
+    def _data_dependent(self, exc: ExportError) -> DataDependentError | None:
+        """A trace stopped by forward reading tensor data: the hazard kept, and the refusal
+        that names its place (the training build's, for the same reason)."""
+        hazard = plain_hazards.value_hazard(exc)
+        if hazard is None:
+            return None
+        self._found([hazard])
+        refusal = DataDependentError(
+            self.module_class,
+            f"forward decides from tensor values, which a graph would freeze "
+            f"({hazard.describe()})",
+            "It runs in PyTorch; compute such decisions outside the selected module, or "
+            "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
+        )
+        refusal.__cause__ = exc
+        return refusal
 
     def instantiate(
         self,

@@ -8,7 +8,9 @@ and every random generator are restored, no `.grad` is touched). A mismatch is a
 `VerificationError` naming what differed; the caller then runs that key in PyTorch.
 
 Graphs with random operators (dropout) draw from ONNX Runtime's generator and cannot equal
-eager's numbers; they are reported as unchecked, with the operators named.
+eager's numbers; they are reported as unchecked, with the operators named. So is a call whose
+eager side fails (a forward that runs only while traced): the comparison cannot be made, and
+the graph, which traced and ran, serves the call, as `--verify` treats the same failure.
 
 A graph loaded from the persistent cache is not checked again (`backends.ort`): the store holds
 only graphs that passed when they were built, under a key naming everything that decides them.
@@ -17,6 +19,7 @@ The check costs about one step of the graph and one eager step (plus the copies)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +27,12 @@ import torch
 
 from ort_autopatch.engine import verify
 from ort_autopatch.engine.plain.program import Program
+
+log = logging.getLogger("ort_autopatch")
+
+
+class _EagerFailed(Exception):
+    """The eager side of the comparison raised (its exception is the cause)."""
 
 
 def random_operators(program: Program) -> list[str]:
@@ -47,4 +56,17 @@ def first_call(
     if random:
         return verify.Verification(unverified=f"random operators ({', '.join(random)})")
     trainable = [p for p in module.parameters() if p.requires_grad] if grad else []
-    return verify.verify_call(cls, module, run_graph, run_eager, inputs, trainable, grad)
+
+    def eager(tensors: list[torch.Tensor]) -> Any:
+        try:
+            return run_eager(tensors)
+        except Exception as exc:
+            raise _EagerFailed() from exc
+
+    try:
+        return verify.verify_call(cls, module, run_graph, eager, inputs, trainable, grad)
+    except _EagerFailed as failed:
+        cause = failed.__cause__
+        why = f"verification failed: {type(cause).__name__}: {cause}"
+        log.warning("%s: the first call's check against eager could not be made (%s)", cls, why)
+        return verify.Verification(unverified=why)

@@ -22,6 +22,10 @@ from ort_autopatch import patcher, report
 from tests.helpers import class_stats, patched, plain_backend
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+# The plain backend traces a key's first graph for the call's shapes, and from the second
+# shape on the dimensions that varied as symbols (engine/sizes.py): its graph counts differ
+# from the training build's, whose first graph serves every size its checks allow.
+PLAIN = plain_backend()
 
 
 def _line_of(cls: type, text: str) -> str:
@@ -201,7 +205,9 @@ def test_len_of_the_batch_gives_each_batch_size_its_own_graph() -> None:
     _compare_calls(model, _lengths((2, 4), (5, 4), (2, 4), (3, 4)))
     stats = class_stats(LenScale)
     assert stats.ort_calls == 4 and not stats.eager_calls
-    assert stats.per_shape_graphs == 3  # 2, 5 and 3 rows; the graph for 2 rows is reused
+    # 2, 5 and 3 rows; the graph for 2 rows is reused. The plain backend's graph for 2 rows
+    # is its first, traced for its shapes whatever the model: only 5 and 3 count as per shape.
+    assert stats.per_shape_graphs == (2 if PLAIN else 3)
     assert (("shape", _line_of(LenScale, "len(x)"))) in _hazards(LenScale)
 
 
@@ -254,7 +260,8 @@ def test_split_over_time_gives_each_length_its_own_graph() -> None:
     _compare_calls(model, _lengths((2, 3, 4), (2, 5, 4), (2, 3, 4)))
     stats = class_stats(SplitOverTime)
     assert stats.ort_calls == 3 and not stats.eager_calls
-    assert stats.per_shape_graphs == 2
+    # 3 and 5 steps; plain: the graph for 3 steps is its first, traced for its shapes anyway
+    assert stats.per_shape_graphs == (1 if PLAIN else 2)
     assert ("shape", _line_of(SplitOverTime, "torch.split")) in _hazards(SplitOverTime)
 
 
@@ -266,7 +273,9 @@ def test_attention_runs_every_new_length_in_one_graph(cls: type[nn.Module]) -> N
     _compare_calls(model, _lengths(*sizes))
     stats = class_stats(cls)
     assert stats.ort_calls == len(sizes) and not stats.eager_calls
-    assert stats.exports == 1 and stats.per_shape_graphs == 0
+    # plain: the first call's shapes, then a graph symbolic in the length (second call) and
+    # one symbolic in batch and length (third call: the batch varies too), which admit the rest
+    assert stats.exports == (3 if PLAIN else 1) and stats.per_shape_graphs == 0
     assert not any(kind == "value" for kind, _ in _hazards(cls))
 
 
@@ -463,7 +472,9 @@ def test_verify_reports_the_worst_difference_and_leaves_the_users_state_alone() 
     for got, want in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want, **TOL)  # accumulated once per call, not thrice
     assert stats.ort_calls == 5 and not stats.eager_calls
-    assert stats.verified_calls == 3 and stats.verify_mismatches == 0  # first 3 of one key
+    # the first 3 calls of each key: one key; plain: the first length's graph (7, twice) and
+    # the graph symbolic in the length (5, 9, 6)
+    assert stats.verified_calls == (5 if PLAIN else 3) and stats.verify_mismatches == 0
     assert 0 < stats.verify_worst["grad_rel"] < 1e-4
     assert 0 < stats.verify_worst["output_rel"] < 1e-4
 
@@ -522,14 +533,16 @@ def test_verify_on_a_batchnorm_model_leaves_training_and_statistics_as_eager() -
 
 
 class EagerSideFails(nn.Module):
-    """Its eager forward raises (the trace does not): the comparison cannot be made."""
+    """Its eager forward raises (the trace does not: the training build's TorchScript trace,
+    the plain backend's aot trace, which torch.compiler.is_compiling() tells): the comparison
+    cannot be made."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.jit.is_tracing():
+        if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
             raise ValueError("only the traced forward works")
         return self.fc(x)
 

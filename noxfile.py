@@ -104,19 +104,6 @@ def tests_transformers5(session: nox.Session) -> None:
 # named): they stay listed here, not skipped in the tests, so the list shrinks as they are done
 # and a newly passing one is noticed by running it (`nox -s tests_plain -- <node id>`).
 PLAIN_GAPS = (
-    # graph counts, rebuild reasons and verify counters written for the training build's export
-    "tests/test_input_variety.py::test_len_of_the_batch_gives_each_batch_size_its_own_graph",
-    "tests/test_input_variety.py::test_a_loop_over_time_runs_each_length_through_its_own_graph",
-    "tests/test_input_variety.py::test_int_of_a_size_is_recomputed_for_every_call",
-    "tests/test_input_variety.py::test_a_branch_on_a_size_keeps_one_graph_until_the_branch_flips",
-    "tests/test_input_variety.py::test_a_branch_on_values_runs_in_pytorch_with_the_reason_and",
-    "tests/test_input_variety.py::test_split_over_time_gives_each_length_its_own_graph",
-    "tests/test_input_variety.py::test_attention_runs_every_new_length_in_one_graph",
-    "tests/test_input_variety.py::test_eval_between_training_steps_reads_as_a_mode_change",
-    "tests/test_input_variety.py::test_400_steps_of_random_batch_sizes_and_lengths_stay_in_ort",
-    "tests/test_input_variety.py::test_verify_reports_the_worst_difference_and_leaves_the_users",
-    "tests/test_input_variety.py::test_verify_says_a_graph_with_dropout_was_not_verified",
-    "tests/test_input_variety.py::test_a_verification_that_cannot_be_made_is_reported_and_the",
     # FSDP2: rebuilds around unshard, and checkpoint_wrapper's recompute is not honoured
     "tests/test_fsdp2.py::test_sharded_blocks_train_in_ort_with_eager_fsdp2_numbers",
     "tests/test_fsdp2.py::test_eval_and_no_grad_passes_between_steps_run_in_ort_with_eager",

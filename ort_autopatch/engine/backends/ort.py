@@ -6,7 +6,10 @@ decomposition table, partitions it, and lowers both graphs to ONNX (`engine/plai
 first graph is traced for the call's input shapes; once a second shape comes, the dimensions
 that varied are traced as symbols (`plain.symbolic`), and the graph serves every size its
 guards admit (`Recipe.size_guards`, `engine/sizes.py`). A symbolic trace that fails falls
-back to a graph for the call's shapes, and that key stays one graph per shape. Before a
+back to a graph for the call's shapes, and that key stays one graph per shape (when forward
+fixed the sizes, its later graphs say where: `plain.hazards` locates the trace's guards in the
+user's code, the report's trace hazards). A trace stopped by forward reading tensor data is
+refused as data-dependent control flow, with the place. Before a
 graph's numbers are trusted, its first call (the call that built it) also runs eagerly and the
 two are compared (`plain.check`): a mismatch is a `VerificationError`, and that key's calls run
 in PyTorch with the reason. A graph loaded from the persistent cache passed that check when it
@@ -146,12 +149,16 @@ class PlainBuild(Backend):
             built = self._symbolic(miss, progress)
         if built is None:
             progress.phase = "tracing forward and backward"
+            table = decompositions.table()
             try:
                 captured = capture.capture(
-                    miss.module, self.forward, call.spec(), call.tensors, cls, decompositions.table()
+                    miss.module, self.forward, call.spec(), call.tensors, cls, table
                 )
             except ExportError as exc:
-                raise self._data_dependent(exc) or exc
+                data_dependent = self._data_dependent(exc)
+                if data_dependent is None:
+                    raise
+                raise data_dependent from exc
             progress.phase = "lowering to ONNX"
             built = captured, program.lower(captured, cls), SizeGuards(call.shapes())
         captured, lowered, guards = built
@@ -233,15 +240,13 @@ class PlainBuild(Backend):
         if hazard is None:
             return None
         self._found([hazard])
-        refusal = DataDependentError(
+        places = hazard.describe()
+        return DataDependentError(
             self.module_class,
-            f"forward decides from tensor values, which a graph would freeze "
-            f"({hazard.describe()})",
+            f"forward decides from tensor values, which a graph would freeze ({places})",
             "It runs in PyTorch; compute such decisions outside the selected module, or "
             "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
         )
-        refusal.__cause__ = exc
-        return refusal
 
     def instantiate(
         self,

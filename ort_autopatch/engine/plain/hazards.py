@@ -63,7 +63,7 @@ def _stack() -> Frames:
     return frames[::-1]
 
 
-class _LocatedGuards(list):  # type: ignore[type-arg]
+class _LocatedGuards(list[Any]):
     """A `ShapeEnv`'s guard list that notes where in forward each guard was added."""
 
     def __init__(self) -> None:

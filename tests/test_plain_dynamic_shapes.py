@@ -142,3 +142,37 @@ def test_a_shape_that_keeps_coming_back_earns_a_graph_traced_for_it() -> None:
     assert [r.dynamic for r in engine.records] == [False, True, False]
     assert engine.records[2].hot_shape
     assert engine.records[2].reason == "input shape repeated 3 calls: a static-shape graph for it"
+
+
+class Scaled(nn.Module):
+    """forward reads a plain attribute, which the patcher's first build adds to its guards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 3)
+        self.factor = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.factor
+
+
+def test_a_patched_class_traces_its_second_batch_size_with_symbols() -> None:
+    """The second shape is traced with symbols even though the first build taught the call
+    key an attribute (the first shape is known under the key the graph was filed by)."""
+    from ort_autopatch import patcher
+
+    patcher.patch(Scaled, patcher.Settings(engine=PLAIN))
+    try:
+        model = Scaled()
+        eager = Scaled()
+        for n in (8, 5, 11, 3):
+            x = torch.randn(n, 6)
+            out = model(x)
+            assert ran_in_plain_ort(out), f"batch {n} ran elsewhere"
+            torch.testing.assert_close(out, Scaled.forward(eager, x), rtol=1e-4, atol=1e-5)
+        records = patcher._instances[model].engine.records
+        assert patcher._instances[model].guards  # the attribute is guarded
+        assert [r.dynamic for r in records] == [False, True]
+    finally:
+        patcher.unpatch(Scaled)

@@ -74,6 +74,10 @@ class _LocatedGuards(list[Any]):
         self.places.append(_location(_stack()))
         super().append(guard)
 
+    def extend(self, guards: Any) -> None:
+        for guard in guards:
+            self.append(guard)
+
 
 def locate_guards(env: Any) -> None:
     """Have `env` (a fresh `ShapeEnv`) note the place of every guard its trace adds."""
@@ -83,8 +87,8 @@ def locate_guards(env: Any) -> None:
 def size_hazards(env: Any) -> list[Hazard]:
     """A SHAPE hazard per place where the trace decided something from a symbolic size."""
     guards = env.guards
-    if not isinstance(guards, _LocatedGuards):
-        return []
+    if not isinstance(guards, _LocatedGuards) or len(guards) != len(guards.places):
+        return []  # another torch keeps its guards otherwise: no places to name
     found: dict[str, Hazard] = {}
     for guard, where in zip(guards, guards.places, strict=True):
         expr = guard.expr

@@ -94,6 +94,44 @@ def test_a_trace_past_the_node_limit_stops_in_the_middle_of_the_trace() -> None:
     _assert_torch_restored()
 
 
+def test_operators_counted_before_a_trace_stop_a_run_past_the_node_limit() -> None:
+    """The plain backend runs forward on the call's tensors before aot's trace, counting its
+    operators: a loop past the limit stops at eager's speed, long before its end."""
+    steps: list[int] = []
+
+    def run() -> None:
+        x = torch.ones(2)
+        for step in range(1000):
+            steps.append(step)
+            x = torch.tanh(x) * 2
+
+    with budget.limited("Loop", budget.Limits(nodes=100)):
+        with pytest.raises(BuildOverBudget) as refused:
+            budget.count_run(run)
+    assert "forward traces to more than 100 graph nodes" in refused.value.cause
+    assert 50 <= len(steps) <= 51  # two operators a step
+
+
+def test_the_counting_run_writes_only_into_memory_it_made() -> None:
+    """A write into a tensor the run did not make (a parameter, an input, a buffer) lands in
+    a copy: the trace and the call after it see every tensor as the user left it."""
+    weight, x = torch.ones(3), torch.zeros(3)
+    made: list[torch.Tensor] = []
+
+    def run() -> None:
+        x.add_(1)
+        weight[0].mul_(2)  # a view's write reaches its base
+        torch.mul(x, 3, out=weight)
+        own = x * 2
+        own.add_(1)  # its own memory: written as eager writes it
+        made.append(own)
+
+    with budget.limited("Net", budget.Limits(nodes=100)):
+        budget.count_run(run)
+    assert x.tolist() == [0.0] * 3 and weight.tolist() == [1.0] * 3
+    assert made[0].tolist() == [1.0] * 3  # x as it was, times two, plus one
+
+
 def test_a_refused_key_is_not_traced_again_after_the_cache_evicts_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -250,6 +250,7 @@ def capture(
     from torch._functorch._aot_autograd import descriptors as d
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._subclasses.fake_tensor import is_fake
 
     flat = _Flat(module, forward, spec)
     try:
@@ -267,6 +268,8 @@ def capture(
             _libraries_tracing(),
             real_constants_allowed(),
         ):
+            if not any(map(is_fake, tensors)):  # a symbolic trace's are
+                budget.count_run(lambda: flat(*tensors))
             with budget.enforced_fx():
                 joint = aot_export_joint_with_descriptors(
                     stack, flat, tuple(tensors), decompositions=decompositions

@@ -155,7 +155,8 @@ def tests_torch215(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff and mypy over the package; the README's generated option and benchmark tables."""
     _install(session, "ruff", "mypy")
-    session.run("ruff", "check", "ort_autopatch", "tests", "benchmarks", "tools", "noxfile.py")
+    checked = ("ort_autopatch", "tests", "benchmarks", "examples", "tools", "noxfile.py")
+    session.run("ruff", "check", *checked)
     session.run("ruff", "format", "--check", "ort_autopatch", "tools")
     session.run("mypy")
     session.run("python", "tools/readme_options.py", "--check")

@@ -58,9 +58,8 @@ def main() -> None:
     )
     model = Classifier()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
-    print(
-        f"trained {trainer.global_step} steps, last loss {float(trainer.callback_metrics['loss']):.4f}"
-    )
+    loss = float(trainer.callback_metrics["loss"])
+    print(f"trained {trainer.global_step} steps, last loss {loss:.4f}")
 
 
 if __name__ == "__main__":

@@ -162,6 +162,43 @@ def test_meanwhile_runs_here_while_the_child_works_and_its_error_wins() -> None:
         sandbox.run(os.getpid, meanwhile=fail)
 
 
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_while_waiting_runs_here_until_the_child_answers() -> None:
+    calls: list[float] = []
+
+    def slow_child() -> float:
+        time.sleep(0.5)
+        return time.monotonic()
+
+    def piece() -> bool:
+        calls.append(time.monotonic())
+        time.sleep(0.01)
+        return True
+
+    answered = sandbox.run(slow_child, while_waiting=piece)
+    assert len(calls) > 5, "it was called again and again while the child worked"
+    assert calls[-1] <= answered + 0.05, "it kept going after the child had answered"
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_while_waiting_stops_when_it_has_nothing_left_to_do() -> None:
+    calls: list[int] = []
+
+    def slow_child() -> int:
+        time.sleep(0.2)
+        return 7
+
+    assert sandbox.run(slow_child, while_waiting=lambda: calls.append(1) is not None) == 7
+    assert calls == [1]
+
+
+def test_while_waiting_never_runs_without_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "available", lambda: False)
+    calls: list[int] = []
+    assert sandbox.run(lambda: 3, while_waiting=lambda: calls.append(1) is None) == 3
+    assert calls == []
+
+
 _FRESH_DIAGONAL = """
 import torch
 from torch import nn

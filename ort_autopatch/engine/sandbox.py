@@ -47,14 +47,20 @@ def available() -> bool:
     return hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
-def run(step: Callable[[], T], meanwhile: Callable[[], None] | None = None) -> T:
+def run(
+    step: Callable[[], T],
+    meanwhile: Callable[[], None] | None = None,
+    while_waiting: Callable[[], bool] | None = None,
+) -> T:
     """`step()` in a forked child; its result comes back pickled.
 
     `meanwhile()` runs here while the child works (the second core is otherwise idle while this
-    process waits): first-use work the caller needs next. Its exception, if any, is raised once
-    the child is reaped. Raises `Crashed` when the child dies from a signal, `ChildError` when
-    `step` raised there. Falls back to running `step` here when forking is not possible or the
-    child hangs.
+    process waits): first-use work the caller needs next. Then `while_waiting()` is called
+    again and again, each call a small piece of work, for as long as it returns True and the
+    child has not answered (work worth doing only where it costs no waiting, so never without
+    a child). An exception of either is raised once the child is reaped. Raises
+    `Crashed` when the child dies from a signal, `ChildError` when `step` raised there. Falls
+    back to running `step` here when forking is not possible or the child hangs.
     """
     if not available():
         if meanwhile is not None:
@@ -71,12 +77,21 @@ def run(step: Callable[[], T], meanwhile: Callable[[], None] | None = None) -> T
         try:
             if meanwhile is not None:
                 meanwhile()
+            if while_waiting is not None:
+                while not _answered(result_read, error_read) and while_waiting():
+                    pass
         finally:
             payload, stderr_text, status = _collect(pid, result_read, error_read)
     finally:
         os.close(result_read)
         os.close(error_read)
     return _result((payload, stderr_text, status), step)
+
+
+def _answered(*fds: int) -> bool:
+    """Whether the child wrote (or closed) either pipe: its result, or its end."""
+    ready, _, _ = select.select(list(fds), [], [], 0)
+    return bool(ready)
 
 
 def _result(outcome: tuple[bytes, str, int | None], step: Callable[[], T]) -> T:

@@ -327,6 +327,7 @@ def build_gradient(
     cls: str,
     propagate_casts: bool = True,
     meanwhile: Callable[[], None] | None = None,
+    while_waiting: Callable[[], bool] | None = None,
 ) -> GradientGraph:
     """Differentiate the exported graph with ORT's OrtModuleGraphBuilder.
 
@@ -334,7 +335,8 @@ def build_gradient(
     outputs but kept out of differentiation (the gradient passes, `passes.GRADIENT`, hand them
     out of the gradient graph). `propagate_casts` lets ORT move and merge Casts (ORTModule's
     default); a graph traced under autocast keeps its casts as traced.
-    `meanwhile()` runs in this process while the forked child builds (`sandbox.run`). ONNX
+    `meanwhile()`, then `while_waiting()` until the child answers, run in this process while
+    the forked child builds (`sandbox.run`). ONNX
     Runtime is imported here first, so the child inherits it instead of importing it again.
     """
     import onnx
@@ -363,7 +365,7 @@ def build_gradient(
         # In a forked child: ORT's gradient builder aborts the process on some graphs
         # (`torch.diagonal`'s export: a failed libstdc++ assertion), which no fallback catches.
         runtime.load()  # raises RuntimeUnavailableError with its reason, before forking
-        gradient_model, info = sandbox.run(build, meanwhile=meanwhile)
+        gradient_model, info = sandbox.run(build, meanwhile=meanwhile, while_waiting=while_waiting)
     except RuntimeUnavailableError:
         raise
     except sandbox.Crashed as exc:

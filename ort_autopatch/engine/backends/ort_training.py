@@ -12,6 +12,7 @@ kernels are swapped for torch-calling nodes when the session is made
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
@@ -28,6 +29,7 @@ from ort_autopatch.engine import (
     export,
     graph,
     hazards,
+    heap,
     passes,
     rng,
     runtime,
@@ -364,18 +366,22 @@ class TrainingBuild(Backend):
             from ort_autopatch.engine.torch_in_graph import gradients
 
             extra = [n for s in stats for n in (s.mean_output, s.var_output)]
-            built = session.build_gradient(
-                model_bytes,
-                feed_names=list(sources),
-                trainable=trainable + requiring,
-                inputs_requiring_grad=requiring,
-                user_inputs=exported.user_input_names,
-                extra_outputs=extra,
-                cls=self.module_class,
-                # ORT's cast propagation would undo autocast's casts (float32 out again)
-                propagate_casts=miss.autocast is None,
-                meanwhile=gradients.warm_up if miss.device.type == "cpu" else None,
-            )
+            cpu = miss.device.type == "cpu"
+            # the first step's activations land in heap pages faulted in while the child builds
+            with heap.FirstStepPages() if cpu else contextlib.nullcontext() as pages:
+                built = session.build_gradient(
+                    model_bytes,
+                    feed_names=list(sources),
+                    trainable=trainable + requiring,
+                    inputs_requiring_grad=requiring,
+                    user_inputs=exported.user_input_names,
+                    extra_outputs=extra,
+                    cls=self.module_class,
+                    # ORT's cast propagation would undo autocast's casts (float32 out again)
+                    propagate_casts=miss.autocast is None,
+                    meanwhile=gradients.warm_up if cpu else None,
+                    while_waiting=pages.more if pages is not None else None,
+                )
             done = passes.apply_gradient(graph.load(built.model), extra, built.num_forward_outputs)
             gradient = dataclasses.replace(
                 built,

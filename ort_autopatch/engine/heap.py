@@ -10,11 +10,11 @@ gradient graph (`sandbox.run`), this process would only wait; `FirstStepPages` s
 wait faulting in heap pages the step then reuses: one `free` of a chunk just under glibc's
 largest dynamic threshold (32 MiB) raises the mmap threshold to it and the trim threshold to
 twice that, as any program's first `free` of such a tensor does; then chunks of 2 MiB are
-allocated, populated in one call each (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14; 48 MiB in
-2-7 ms, where writing them faulted page by page for 70-90 ms) and freed into the heap's top,
-which stays. Their contents are never read: only where memory comes from changes, not what
-any step computes. Done once per process, only with glibc (another allocator keeps its own
-rules) and only for as long as the child is still building.
+allocated, populated in one call each (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14: 29 MiB in
+1.5-7 ms at load 3-7, where writing 48 MiB with memset took 70-90 ms) and freed into the
+heap's top, which stays. Their contents are never read: only where memory comes from
+changes, not what any step computes. Done once per process, only with glibc (another
+allocator keeps its own rules) and only for as long as the child is still building.
 """
 
 from __future__ import annotations

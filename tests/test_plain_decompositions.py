@@ -193,6 +193,19 @@ def test_tiling_max_pool_and_its_backward_equal_atens(
     torch.testing.assert_close(got, expected)
 
 
+def test_tiling_max_pool_backward_treats_signed_zeros_as_ties_like_aten() -> None:
+    x = torch.tensor([[[[-0.0, 0.0], [0.0, -1.0]], [[-1.0, -0.0], [0.0, -0.0]]]])
+    _, indices = aten.max_pool2d_with_indices(x, [2, 2], [2, 2], [0, 0])
+    g = torch.tensor([[[[3.0]], [[5.0]]]])
+    expected = aten.max_pool2d_with_indices_backward(
+        g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
+    )
+    got = decompositions.max_pool2d_with_indices_backward(
+        g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
+    )
+    assert torch.equal(got, expected)
+
+
 def test_overlapping_max_pool_keeps_atens_operator() -> None:
     x = torch.randn(1, 1, 7, 7)
     assert decompositions.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1]) is NotImplemented

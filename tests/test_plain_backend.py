@@ -163,6 +163,30 @@ def test_pooling_gradients_equal_eagers(pool: nn.Module) -> None:
     _train_like_eager(model, lambda: (torch.randn(2, 2, 8, 8),))
 
 
+def _operators(model: bytes) -> set[str]:
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    nodes = list(proto.graph.node) + [n for f in proto.functions for n in f.node]
+    return {node.op_type for node in nodes}
+
+
+def test_a_cnns_pool_and_weight_gradients_avoid_the_operators_ort_runs_slowly() -> None:
+    # ArgMax, a scatter or a Conv with the whole gradient as its kernel each cost ORT more
+    # than eager's whole step on a small CNN (decompositions.py says how much)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    plain = PlainCall(model, torch.randn(2, 3, 8, 8))
+    assert plain.lowered.backward is not None
+    forward, backward = _operators(plain.lowered.forward), _operators(plain.lowered.backward)
+    assert not {"ArgMax", "ScatterElements", "ScatterND"} & (forward | backward)
+    assert "Conv" not in backward
+    # the input needs no gradient: the backward computes the parameters' alone
+    import onnx
+
+    outputs = onnx.load_from_string(plain.lowered.backward).graph.output
+    assert len(outputs) == len(list(model.parameters()))
+
+
 def test_transformer_layer_attention_and_layer_norm_train_like_eager() -> None:
     model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
     _train_like_eager(model, lambda: (torch.randn(3, 7, 32, requires_grad=True),))

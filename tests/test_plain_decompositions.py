@@ -28,6 +28,9 @@ CONVOLUTIONS = [
     (2, 4, 6, 3, 2, 1, 1, 1, True, 1),
     (2, 4, 6, 3, 2, 0, 2, 2, True, 0),
     (1, 3, 2, 4, 3, 1, 1, 1, True, 2),
+    (2, 6, 3, 3, 2, 2, 2, 3, False, 0),  # groups, stride, padding and dilation at once
+    (3, 4, 4, (2, 3, 1), (1, 2, 1), (1, 0, 1), (2, 1, 1), 2, False, 0),
+    (2, 3, 4, 1, 1, 0, 1, 1, False, 0),  # one kernel position
 ]
 
 

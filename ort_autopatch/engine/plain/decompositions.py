@@ -11,7 +11,8 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   the number of counted targets (the backward divides by it): with the mean reduction every
   gradient came out batch-size times too large, again without an error. Decomposed.
 - `convolution_backward`: torch has no decomposition; ours below covers every stride,
-  padding, dilation, groups and transposed convolution (1-d to 3-d).
+  padding, dilation, groups and transposed convolution (1-d to 3-d). The weight's gradient is
+  a matrix product with the input's patches, not a convolution (which ORT ran slowly).
 - `max_pool2d_with_indices` and its backward, for pools whose windows tile the input: an
   elementwise maximum over the windows' strided slices, with no indices (ORT's MaxPool with
   indices is nine times slower than without), no scatter and no small trailing window axis.
@@ -29,6 +30,8 @@ backend (matmuls and a softmax) instead of the fused CPU kernel, whose backward 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,24 +139,42 @@ def _weight_gradient(
     groups: int,
 ) -> torch.Tensor:
     """d(conv(source, w)) / dw contracted with `target`: shape (target channels,
-    source channels / groups, *kernel)."""
+    source channels / groups, *kernel).
+
+    As a matrix product with the source's patches (one strided slice of the padded source per
+    kernel position): grad_w[o, i, k] = sum over batch and positions p of target[o, p] *
+    patch_k[i, p]. Written as a convolution whose kernel is the whole target instead, ORT ran
+    it 2 to 5 times slower than this (0.3 to 0.8 ms against 0.12 for a 3x3 convolution's
+    weight on (8, 3, 32, 32)), slower than eager's whole convolution backward.
+    """
     dims = source.dim() - 2
     batch, channels = source.shape[0], source.shape[1]
-    per_group_in = channels // groups
-    spatial_in = list(source.shape[2:])
-    # source as (in/groups, groups * batch, *S): the batch becomes the channel to reduce over
-    lhs = source.reshape(batch, groups, per_group_in, *spatial_in)
-    lhs = lhs.permute(2, 1, 0, *range(3, 3 + dims)).reshape(
-        per_group_in, groups * batch, *spatial_in
-    )
-    # target as a weight (out, batch, *T): group g's output channels read group g's batch block
-    rhs = target.permute(1, 0, *range(2, 2 + dims))
-    full = aten.convolution(lhs, rhs, None, dilation, padding, stride, False, [0] * dims, groups)
-    # (in/groups, out, *K'), K' >= K: keep the kernel's positions
-    for d in range(dims):
-        if full.shape[2 + d] != kernel[d]:
-            full = full.narrow(2 + d, 0, kernel[d])
-    return full.transpose(0, 1)
+    out_channels = target.shape[1]
+    outer = list(target.shape[2:])
+    pads: list[int] = []
+    for d in reversed(range(dims)):
+        pads += [padding[d], padding[d]]
+    padded = aten.constant_pad_nd(source, pads, 0.0) if any(padding) else source
+    # slices by leading kernel offsets, each taken once (a 3x3 kernel: 3 + 9 slices, not 18)
+    sliced: dict[tuple[int, ...], torch.Tensor] = {(): padded}
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        for d in range(dims):
+            if offsets[: d + 1] not in sliced:
+                start = offsets[d] * dilation[d]
+                end = start + (outer[d] - 1) * stride[d] + 1
+                sliced[offsets[: d + 1]] = aten.slice(
+                    sliced[offsets[:d]], 2 + d, start, end, stride[d]
+                )
+    patches = [sliced[o] for o in itertools.product(*(range(k) for k in kernel))]
+    positions = math.prod(outer)
+    count = len(patches)
+    # (batch * groups, in / groups * kernel positions, positions), in the weight's order; the
+    # transpose right before the product, which ORT folds into it
+    cols = torch.stack(patches, 2).reshape(batch * groups, channels // groups * count, positions)
+    rows = target.reshape(batch * groups, out_channels // groups, positions)
+    grad = aten.bmm(rows, cols.transpose(1, 2))
+    grad = grad.reshape(batch, out_channels, channels // groups * count).sum(0)
+    return grad.reshape(out_channels, channels // groups, *kernel)
 
 
 def avg_pool2d_backward(

@@ -221,3 +221,36 @@ def test_overlapping_max_pool_keeps_atens_operator() -> None:
         g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, indices
     )
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5), (2, 4, 5, 3), (2, 4, 3, 2, 3)])
+def test_batch_norm_equals_atens_outputs_and_running_statistics(
+    training: bool, affine: bool, shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64) * 3 + 1
+    channels = shape[1]
+    weight = torch.randn(channels, dtype=torch.float64) if affine else None
+    bias = torch.randn(channels, dtype=torch.float64) if affine else None
+    mean, var = torch.randn(channels, dtype=torch.float64), torch.rand(channels) + 0.5
+    args = (x, weight, bias, mean, var.double(), training, 0.1, 1e-5)
+    expected = aten._native_batch_norm_legit_functional(*args)
+    got = decompositions.native_batch_norm_legit_functional(*args)
+    names = ("output", "mean", "inverse deviation", "running mean", "running variance")
+    for name, a, e in zip(names, got, expected, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        torch.testing.assert_close(a, e, msg=name)
+
+
+def test_half_precision_batch_norm_computes_in_float_like_aten() -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(4, 3, 5, 5) * 3 + 1).to(torch.bfloat16)
+    weight, bias = torch.randn(3), torch.randn(3)
+    args = (x, weight, bias, torch.zeros(3), torch.ones(3), True, 0.1, 1e-5)
+    expected = aten._native_batch_norm_legit_functional(*args)
+    got = decompositions.native_batch_norm_legit_functional(*args)
+    for a, e in zip(got, expected, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e)

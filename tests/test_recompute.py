@@ -3,7 +3,9 @@
 FSDP2 with `reshard_after_forward` frees the memory of a block's full parameters after its
 forward and gathers them again, into new memory, before its backward. ORT's saved state would
 point at the freed memory (NaN losses were the symptom); these tests free and re-gather a
-parameter's storage exactly as FSDP2 does, without torch.distributed.
+parameter's storage exactly as FSDP2 does, without torch.distributed. Activation checkpointing
+(`torch.utils.checkpoint` around a call) reruns the whole call in backward: the first call
+builds inside it, and a graph with dropout must not draw another mask there.
 """
 
 from __future__ import annotations
@@ -11,9 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ort_autopatch.engine import ModuleEngine
 from tests.helpers import plain_backend
+
+#: the autograd node of a recomputing call, per backend
+RECOMPUTING = (
+    "PlainRecomputingCallBackward" if plain_backend() else "RecomputingTrainingCallBackward"
+)
 
 
 class Net(nn.Module):
@@ -84,21 +92,16 @@ def test_the_recomputed_forward_replays_the_dropout_mask() -> None:
     torch.testing.assert_close(model.w.grad, out.detach().sum(0))
 
 
-@pytest.mark.skipif(
-    plain_backend(),
-    reason="the training build's forward keeps ORT's execution state (pointers into the "
-    "parameters); the plain backend's saved values are torch tensors autograd guards, and the "
-    "test above holds its gradients to eager after the parameters moved",
-)
 def test_nothing_of_the_forward_is_kept_but_its_inputs() -> None:
     """Between forward and backward the call holds the feeds only: ORT's execution state (its
-    activations and its pointers into the parameters) is gone."""
+    activations and its pointers into the parameters) is gone, and so are the activations the
+    plain backend saves otherwise."""
     model = Net()
     engine = ModuleEngine(model)
     x = torch.randn(5, 8, requires_grad=True)
     out = engine.run((x,), {}, recompute=True)
     node = out.grad_fn
-    assert type(node).__name__ == "RecomputingTrainingCallBackward"
+    assert type(node).__name__ == RECOMPUTING
     assert not hasattr(node, "run")  # TrainingCall keeps ORT's state there
     saved = node.saved_tensors
     assert any(t is x for t in saved)
@@ -122,6 +125,74 @@ def test_random_torch_calling_nodes_draw_the_same_seeds_when_recomputed() -> Non
     out = engine.run((x,), {}, recompute=True)
     assert engine.records[-1].torch_nodes == {"aten::dropout": 1}
     engine.run((x,), {})  # another forward draws the generator's next seed
+    out.sum().backward()
+    assert 0.3 < (out == 0).float().mean() < 0.7
+    torch.testing.assert_close(model.w.grad, out.detach().sum(0))
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.bn(self.fc(x)))
+
+
+def test_batch_norm_statistics_are_updated_once_and_gradients_equal_eager() -> None:
+    torch.manual_seed(0)
+    model, reference = Normed(), Normed()
+    reference.load_state_dict(model.state_dict())
+    engine = ModuleEngine(model)
+    for step in range(3):
+        x = torch.randn(6, 8)
+        out = engine.run((x,), {}, recompute=True)
+        _reshard_and_gather(list(model.parameters()))
+        out.square().sum().backward()
+        expected = reference(x)
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected, msg=f"step {step}")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}: {name}")
+        for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(b, c, msg=f"step {step}: {name}")  # one update a step
+    assert int(model.bn.num_batches_tracked) == 3
+
+
+def test_a_first_call_under_activation_checkpointing_builds_and_equals_eager() -> None:
+    """The call builds inside the checkpoint's saved-tensor hooks (the plain backend's trace
+    and first-call check run autograd, which must not feed the checkpoint); the checkpoint's
+    rerun in backward runs the graph again, and every step equals eager's."""
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    engine = ModuleEngine(model)
+    for step in range(2):
+        x = torch.randn(5, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out = checkpoint(engine, x, use_reentrant=False)
+        expected = checkpoint(reference, x_ref, use_reentrant=False)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected, msg=f"step {step}")
+        torch.testing.assert_close(x.grad, x_ref.grad, msg=f"step {step}")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}: {name}")
+        model.zero_grad()
+        reference.zero_grad()
+    assert engine.builds == 1
+
+
+def test_dropout_under_activation_checkpointing_gets_the_forwards_mask_in_backward() -> None:
+    """The checkpoint reruns the call in backward; the gradient must still be that of the
+    mask the forward's output was made with."""
+    torch.manual_seed(0)
+    model = Scaled()
+    engine = ModuleEngine(model)
+    x = torch.randn(64, 32)
+    out = checkpoint(engine, x, use_reentrant=False)
+    engine.run((x,), {})  # another forward draws the tool's next seed in between
     out.sum().backward()
     assert 0.3 < (out == 0).float().mean() < 0.7
     torch.testing.assert_close(model.w.grad, out.detach().sum(0))

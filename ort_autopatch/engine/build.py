@@ -74,7 +74,8 @@ class Builder:
         static-shape graph (`miss.hot`). The export runs under the call's autocast state (this
         thread's), so it traces autocast's casts."""
         try:
-            return self._build(miss, reason)
+            with _outside_saved_tensor_hooks():
+                return self._build(miss, reason)
         except SessionError as exc:
             missing = _MISSING_KERNEL.search(exc.cause)
             if miss.autocast is None or missing is None:
@@ -220,6 +221,25 @@ class Builder:
 class _Progress:
     def __init__(self) -> None:
         self.phase = "export"
+
+
+@contextmanager
+def _outside_saved_tensor_hooks() -> Iterator[None]:
+    """Take the caller's saved-tensor hooks off this thread while a build runs, and put them
+    back after. A call under activation checkpointing (`checkpoint_wrapper`) builds inside the
+    checkpoint's hooks: the plain backend's trace and its first-call check run autograd, whose
+    saved tensors the checkpoint would take as the call's own (and rerun the call, mid-build,
+    to get them back)."""
+    hooks = torch._C._autograd
+    taken = []
+    while (top := hooks._top_saved_tensors_default_hooks(True)) is not None:
+        hooks._pop_saved_tensors_default_hooks()
+        taken.append(top)
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(taken):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @contextmanager

@@ -77,7 +77,7 @@ class _Program:
         self.saved_graphs: dict[str, bytes] = program.lowered.graphs()
 
     def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
-        outputs: Sequence[torch.Tensor] = self.program.run(feeds)
+        outputs: Sequence[torch.Tensor] = self.program.run(feeds, recompute)
         return outputs
 
 

@@ -9,11 +9,16 @@ sent through ORT. A call's Function saves what the partitioner chose for the bac
 the new values of the buffers forward updated (BatchNorm's statistics) into the module's
 buffers, as eager's in-place update does. Dropout draws from ORT's generator, seeded before
 each forward from the tool's own stream (`rng`): torch's generator is never drawn from.
+
+A recomputing call (`PlainRecomputingCall`) saves the feeds alone and runs the forward session
+again in backward, with the forward's seed, before the backward session: for parameters
+freed between forward and backward (FSDP2's `reshard_after_forward`), and for a graph with
+dropout under activation checkpointing, whose own rerun of the call would draw another mask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +46,20 @@ class _Session:
     outputs: list[tuple[str, int]]
     draws: bool  # a run reads ORT's generator (dropout): seed it first
 
-    def run(self, cls: str, phase: str, values: Sequence[torch.Tensor], kept: Any) -> list[Any]:
+    def run(
+        self,
+        cls: str,
+        phase: str,
+        values: Sequence[torch.Tensor],
+        kept: Any,
+        seed: int | None = None,
+    ) -> list[Any]:
+        """The graph's outputs; a graph that draws is seeded with `seed`, else with the
+        stream's next seed."""
         capi = runtime.capi()
         fetches = capi.OrtValueVector()
         if self.draws:
-            capi.set_seed(rng.next_seed())
+            capi.set_seed(rng.next_seed() if seed is None else seed)
         try:
             with bridge.on_stream(self.stream) as caller:
                 self.session._sess.run_with_ortvaluevector(
@@ -244,16 +258,24 @@ class Program:
     kept: Any  # bridge.KeptValues of the module's tensors among forward's feeds
     backward_kept: Any  # and among backward's (the parameters it reads)
     saves_mutated: frozenset[int]  # buffers backward reads that forward also updates
+    mutated: frozenset[int]  # every buffer forward updates (by feed index)
     #: user output -> its position among the Function's outputs (aliases are not among them)
     tangent_position: dict[int, int]
 
     def run(self, feeds: Sequence[torch.Tensor], recompute: bool = False) -> list[torch.Tensor]:
-        """One call: through autograd when it needs gradients, else forward alone."""
+        """One call: through autograd when it needs gradients, else forward alone.
+        `recompute`: keep nothing of the forward but its feeds (`PlainRecomputingCall`)."""
         if self.backward is not None and torch.is_grad_enabled():
+            # Saved-tensor hooks (activation checkpointing) rerun the whole call to get back
+            # what it saved: a graph with dropout would draw another mask there, so it keeps
+            # its feeds and seed and reruns itself.
+            if not recompute and self.forward.draws:
+                recompute = _SAVED_TENSOR_HOOKS(False) is not None
+            function = PlainRecomputingCall if recompute else PlainTrainingCall
             if bridge._TRANSFORMS_ACTIVE():  # functorch: torch's own path (and refusal)
-                outputs = PlainTrainingCall.apply(self, *feeds)
+                outputs = function.apply(self, *feeds)
             else:  # without Function.apply's Python layer, as `bridge.train` does
-                outputs = _C_APPLY(self, *map(bridge._UNWRAP_IF_DEAD, feeds))
+                outputs = _C_APPLY[function](self, *map(bridge._UNWRAP_IF_DEAD, feeds))
             if not self.lowered.aliases:
                 return list(outputs)
             rest = iter(outputs)
@@ -300,6 +322,7 @@ def instantiate(
         kept=_kept(forward, module_feeds),
         backward_kept=_kept(backward, read_module) if backward is not None else None,
         saves_mutated=frozenset(saves_mutated),
+        mutated=frozenset(lowered.mutations.values()),
         tangent_position={
             k: position
             for position, k in enumerate(
@@ -316,16 +339,21 @@ def _kept(session: _Session, values: set[int]) -> bridge.KeptValues:
 
 
 def _forward(
-    program: Program, feeds: Sequence[torch.Tensor]
+    program: Program,
+    feeds: Sequence[torch.Tensor],
+    seed: int | None = None,
+    keep: frozenset[int] | None = None,
 ) -> tuple[list[Any], list[Any], dict[int, torch.Tensor]]:
-    """Run forward and update the buffers: the user outputs, all of forward's outputs and
-    the buffers backward reads as forward saw them (by feed index)."""
-    outputs = program.forward.run(program.cls, "forward", feeds, program.kept)
+    """Run forward (seeded with `seed` when it draws) and update the buffers: the user
+    outputs, all of forward's outputs and, by feed index, the updated buffers in `keep`
+    (default: those backward reads) as forward saw them."""
+    outputs = program.forward.run(program.cls, "forward", feeds, program.kept, seed)
     before: dict[int, torch.Tensor] = {}
     if program.lowered.mutations:
+        keep = program.saves_mutated if keep is None else keep
         with torch.no_grad():
             for k, feed in program.lowered.mutations.items():
-                if feed in program.saves_mutated:
+                if feed in keep:
                     before[feed] = feeds[feed].clone()
                 feeds[feed].copy_(outputs[k])
     return [outputs[k] for k in program.lowered.user_outputs], outputs, before
@@ -338,9 +366,7 @@ class PlainTrainingCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         user, outputs, before = _forward(program, feeds)
-        aliases = program.lowered.aliases
-        if aliases:  # returned by `Program.run` outside the Function
-            user = [out for k, out in enumerate(user) if k not in aliases]
+        user = _user_only(program, user)
         ctx.program = program
         ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
         ctx.set_materialize_grads(False)
@@ -364,22 +390,82 @@ class PlainTrainingCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        program: Program = ctx.program
-        assert program.backward is not None
         saved = iter(ctx.saved_tensors)  # checks every version, the viewed feeds' too
-        values: list[torch.Tensor] = []
-        for kind, k in program.lowered.backward_inputs:
-            if kind == "tangent":
-                k = program.tangent_position[k]
-                grad = grad_outputs[k]
-                if grad is None:
-                    shape, dtype, device = ctx.output_info[k]
-                    grad = torch.zeros(shape, dtype=dtype, device=device)
-                values.append(grad)
-            else:
-                values.append(next(saved))
-        grads = program.backward.run(program.cls, "backward", values, program.backward_kept)
-        return (None, *grads)
+        return (None, *_backward(ctx, saved, grad_outputs))
 
 
-_C_APPLY = super(torch.autograd.Function, PlainTrainingCall).apply
+def _user_only(program: Program, user: list[Any]) -> list[Any]:
+    """The user outputs the Function returns: aliases of feeds are returned by `Program.run`
+    outside it."""
+    aliases = program.lowered.aliases
+    return [out for k, out in enumerate(user) if k not in aliases] if aliases else user
+
+
+def _backward(
+    ctx: Any, saved: Iterator[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]
+) -> list[Any]:
+    """The backward session on the cotangents and `saved` (forward's values backward reads,
+    in `backward_inputs` order): one gradient (or None) per feed."""
+    program: Program = ctx.program
+    assert program.backward is not None
+    values: list[torch.Tensor] = []
+    for kind, k in program.lowered.backward_inputs:
+        if kind == "tangent":
+            k = program.tangent_position[k]
+            grad = grad_outputs[k]
+            if grad is None:
+                shape, dtype, device = ctx.output_info[k]
+                grad = torch.zeros(shape, dtype=dtype, device=device)
+            values.append(grad)
+        else:
+            values.append(next(saved))
+    grads: list[Any] = program.backward.run(program.cls, "backward", values, program.backward_kept)
+    return grads
+
+
+class PlainRecomputingCall(torch.autograd.Function):
+    """A training call that keeps nothing of its forward but the feeds (the buffers it
+    updates as it read them): backward runs the forward session again on them, seeded as the
+    first run was, then the backward session (`bridge.RecomputingTrainingCall`'s contract).
+
+    Costs one more forward and holds no activations in between, as activation checkpointing
+    does. The rerun writes no buffer: the statistics were updated once, by the forward."""
+
+    @staticmethod
+    def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        seed = rng.next_seed() if program.forward.draws else None
+        user, _, before = _forward(program, feeds, seed, program.mutated)
+        user = _user_only(program, user)
+        ctx.program, ctx.seed = program, seed
+        ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
+        ctx.set_materialize_grads(False)
+        # after the buffer updates bumped their versions: a later in-place write to a feed
+        # raises in backward, as eager's saved tensors do
+        ctx.save_for_backward(*[before.get(k, feed) for k, feed in enumerate(feeds)])
+        for out in user:
+            if not out.is_floating_point():
+                ctx.mark_non_differentiable(out)
+        return tuple(user)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        program: Program = ctx.program
+        feeds = ctx.saved_tensors
+        # not through the kept values: the saved copies of updated buffers would displace
+        # the buffers' own
+        outputs = program.forward.run(program.cls, "forward", feeds, None, ctx.seed)
+        saved = (
+            outputs[k] if kind == "out" else feeds[k]
+            for kind, k in program.lowered.backward_inputs
+            if kind != "tangent"
+        )
+        return (None, *_backward(ctx, saved, grad_outputs))
+
+
+# `Function.apply` without its Python layer (see `bridge._C_APPLY`)
+_C_APPLY: dict[type[torch.autograd.Function], Any] = {
+    function: super(torch.autograd.Function, function).apply  # type: ignore[misc]
+    for function in (PlainTrainingCall, PlainRecomputingCall)
+}
+#: the innermost saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), or None
+_SAVED_TENSOR_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks

@@ -104,11 +104,6 @@ def tests_transformers5(session: nox.Session) -> None:
 # named): they stay listed here, not skipped in the tests, so the list shrinks as they are done
 # and a newly passing one is noticed by running it (`nox -s tests_plain -- <node id>`).
 PLAIN_GAPS = (
-    # FSDP2: rebuilds around unshard, and checkpoint_wrapper's recompute is not honoured
-    "tests/test_fsdp2.py::test_sharded_blocks_train_in_ort_with_eager_fsdp2_numbers",
-    "tests/test_fsdp2.py::test_eval_and_no_grad_passes_between_steps_run_in_ort_with_eager",
-    "tests/test_fsdp2.py::test_root_and_blocks_selected_blocks_in_ort_root_eager_with_reason",
-    "tests/test_fsdp2.py::test_sharded_root_selected_trains_in_ort",
     # RSS grows 502 -> 542 MB after warm-up, over the 5 % bound
     "tests/reliability/test_memory.py::test_a_short_soak_keeps_memory_and_caches_bounded",
 )

@@ -103,10 +103,7 @@ def tests_transformers5(session: nox.Session) -> None:
 # PLAIN_GAPS are what issue 23 still owes on this backend (each fails today, for the reason
 # named): they stay listed here, not skipped in the tests, so the list shrinks as they are done
 # and a newly passing one is noticed by running it (`nox -s tests_plain -- <node id>`).
-PLAIN_GAPS = (
-    # RSS grows 502 -> 542 MB after warm-up, over the 5 % bound
-    "tests/reliability/test_memory.py::test_a_short_soak_keeps_memory_and_caches_bounded",
-)
+PLAIN_GAPS: tuple[str, ...] = ()
 
 
 @nox.session(python=PYTHON)

@@ -34,6 +34,7 @@ from ort_autopatch.engine import (
     FailureKind,
     ModuleEngine,
     hazards,
+    in_untraced_run,
     is_exporting,
 )
 from ort_autopatch.engine.errors import ExecutionError, SideEffectError
@@ -612,7 +613,7 @@ class _Instance:
         writes: list[Write] = []
         with recording_access(module, reads, writes) as seen:
             output = module.forward(*args, **kwargs)
-        for owner, name, path in reads:
+        for owner, name, path in () if in_untraced_run() else reads:  # a graph's reads only
             if name == "training" and isinstance(owner, torch.nn.Module):
                 continue  # train flags are part of every key: a change reads as a mode change
             self._guard(owner, name, path)

@@ -167,6 +167,37 @@ def test_an_equal_value_in_a_new_object_keeps_its_graph(scaled: Scaled) -> None:
     assert report.stats_for(patcher.class_name(Scaled)).ort_calls == 2
 
 
+class Encoder(nn.Module):
+    """Its eager eval call reads attributes no trace of it reads: TransformerEncoderLayer's
+    checks for its fused fast path (`activation_relu_or_gelu`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def test_an_eval_call_between_training_steps_keeps_the_training_graph() -> None:
+    """Only a trace's reads are guards: an eager run for the engine (the plain backend's check
+    of a graph's first call, --verify) guards nothing, or every training call after an eval
+    call would miss its graph ('attributes forward reads changed') and build again."""
+    report.reset()
+    patcher.patch(Encoder)
+    try:
+        model, x = Encoder(), torch.randn(2, 5, 8)
+        for mode in ("train", "eval", "train"):
+            model.train(mode == "train")
+            with torch.set_grad_enabled(mode == "train"):
+                torch.testing.assert_close(model(x), model.forward(x), msg=mode)
+        stats = report.stats_for(patcher.class_name(Encoder))
+        assert (stats.ort_calls, stats.exports) == (3, 2)
+        assert _rebuilds(Encoder) == {"train/eval mode changed": 1}
+    finally:
+        patcher.unpatch_all()
+
+
 def test_the_persistent_part_holds_no_memory_addresses() -> None:
     model = Scaled()
     maker = KeyMaker(ModuleState(model), Attribute(model, "offset"))

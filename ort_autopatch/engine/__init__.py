@@ -1,7 +1,8 @@
 """Everything that touches ONNX Runtime lives here, and imports it lazily.
 
 Public surface: `ModuleEngine` runs one module's calls through cached ORT graphs, configured by
-`EngineOptions`; `is_exporting` tells patched classes to step aside while the engine traces them;
+`EngineOptions`; `is_exporting` tells patched classes to step aside while the engine traces them,
+and `in_untraced_run` that forward runs for the engine outside a trace (its reads guard nothing);
 the typed errors (`EngineError` and its subclasses) say why a call could not run in ORT.
 
 The errors import nothing heavy and are imported here. The other names need torch, and are
@@ -36,12 +37,13 @@ from ort_autopatch.engine.errors import (  # noqa: F401  (re-exported)
 )
 
 if TYPE_CHECKING:
-    from ort_autopatch.engine.export import is_exporting  # noqa: F401
+    from ort_autopatch.engine.export import in_untraced_run, is_exporting  # noqa: F401
     from ort_autopatch.engine.module_engine import ModuleEngine  # noqa: F401
     from ort_autopatch.engine.recipe import BuildRecord, EngineOptions  # noqa: F401
 
 _LAZY = {
     "is_exporting": "export",
+    "in_untraced_run": "export",
     "BuildRecord": "recipe",
     "EngineOptions": "recipe",
     "ModuleEngine": "module_engine",

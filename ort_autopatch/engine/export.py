@@ -50,6 +50,25 @@ def is_exporting() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
+def in_untraced_run() -> bool:
+    """True while this thread runs forward for the engine outside any trace (`untraced_run`)."""
+    return getattr(_state, "untraced", 0) > 0
+
+
+@contextlib.contextmanager
+def untraced_run() -> Iterator[None]:
+    """Forward runs in this thread for the engine but is no trace: the plain backend's check
+    of a graph's first call against eager, `--verify`'s eager side. What it reads is no guard
+    of any graph (the patcher learns guards from traces only): eager's own paths read more
+    (TransformerEncoderLayer's fast-path checks in eval), and guarding those sent every
+    training call after one eval call to a new build."""
+    _state.untraced = getattr(_state, "untraced", 0) + 1
+    try:
+        yield
+    finally:
+        _state.untraced -= 1
+
+
 @contextlib.contextmanager
 def stepping_aside() -> Iterator[None]:
     """Patched calls in this thread run their original code (as during an export)."""

@@ -292,7 +292,8 @@ def verify_entry(
 
     def run_eager(tensors: list[torch.Tensor]) -> Any:
         args, kwargs = spec.rebuild(tensors)
-        with export.stepping_aside():  # selected submodules run their eager code too
+        # selected submodules run their eager code too; its reads guard nothing
+        with export.stepping_aside(), export.untraced_run():
             return forward(module, *args, **kwargs)
 
     trainable = [p for p in state.params if p.requires_grad] if grad else []

@@ -296,7 +296,12 @@ class PlainBuild(Backend):
             # reentrant checkpointing refuses the check's `autograd.grad`: the wrapped
             # function runs as it is (the same values), as in the trace
             args, kwargs = spec.rebuild(tensors)
-            with export.EXPORT_LOCK, export.stepping_aside(), tracing.checkpoint_through_function():
+            with (
+                export.EXPORT_LOCK,
+                export.stepping_aside(),
+                export.untraced_run(),  # its reads guard nothing
+                tracing.checkpoint_through_function(),
+            ):
                 return forward(module, *args, **kwargs)
 
         self.last_check = check.first_call(

@@ -269,6 +269,7 @@ def capture(
             real_constants_allowed(),
         ):
             if not any(map(is_fake, tensors)):  # a symbolic trace's are
+                # the trace's first run of forward, in its context: its reads are guards
                 budget.count_run(lambda: flat(*tensors))
             with budget.enforced_fx():
                 joint = aot_export_joint_with_descriptors(

@@ -137,6 +137,16 @@ def tests_torch214(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def tests_plain_torch214(session: nox.Session) -> None:
+    """The same tests on the plain backend (`nox -s tests` runs it): torchvision's models among
+    them, which no other plain session can import."""
+    session.install(*TORCH_214)
+    session.install("-e", ".[cpu]", "pytest", "pytest-timeout", TRANSFORMERS, "numpy")
+    args = ("-q", "-p", "no:cacheprovider", "--durations=12", *TORCH_VERSION_TESTS)
+    session.run("pytest", *args, *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def tests_torch215(session: nox.Session) -> None:
     """The whole suite on torch 2.15 and its torchvision (several GB; not run by CI)."""
     _install(session, *TEST_DEPS, torch=TORCH_215)

@@ -48,8 +48,9 @@ class PlainCall:
 
     def __call__(self, *args: Any) -> Any:
         call = signature.flatten_call("M", args, {})
-        named = dict(self.module.named_parameters())
-        named.update(self.module.named_buffers())
+        # a tied tensor is fed under each module's name for it
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        named.update(self.module.named_buffers(remove_duplicate=False))
         feeds = [
             call.tensors[int(f.where)] if f.kind == "input" else named[str(f.where)]
             for f in self.captured.feeds

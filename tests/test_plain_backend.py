@@ -488,3 +488,24 @@ def test_an_lstm_trains_like_eager_through_its_generic_kernels() -> None:
     _train_like_eager(model, lambda: (torch.randn(2, 5, 4, requires_grad=True),))
     weights = zip(model.lstm._flat_weights, model.lstm.parameters(), strict=True)
     assert all(w is p for w, p in weights)  # the module's own list, as before the trace
+
+
+def test_a_module_reached_by_two_paths_keeps_its_weight_after_the_trace() -> None:
+    """T5's shared embedding is also `encoder.embed_tokens`, and the head is tied to it: the
+    trace swaps each module's tensors for its stand-ins once, and puts back the originals."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(10, 4)
+            self.encoder = nn.ModuleDict({"embed_tokens": self.shared})
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.shared.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder["embed_tokens"](ids).tanh())
+
+    model = Shared()
+    weight = model.shared.weight
+    _train_like_eager(model, lambda: (torch.randint(0, 10, (2, 5)),))
+    assert model.shared.weight is weight and model.head.weight is weight

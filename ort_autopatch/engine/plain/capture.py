@@ -86,6 +86,31 @@ class _Flat(torch.nn.Module):
         self._spec = spec
         self.output_spec: export.OutputSpec | None = None
 
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        if remove_duplicate or not recurse:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return self._each_module_once("_parameters", prefix)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if remove_duplicate or not recurse:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        return self._each_module_once("_buffers", prefix)
+
+    def _each_module_once(self, table: str, prefix: str) -> Iterator[tuple[str, Any]]:
+        """aot lists the tensors to swap for its stand-ins with `remove_duplicate=False`, so
+        a tied weight held by two modules is an input under both names. A module reached by
+        two paths (T5's shared embedding is also `encoder.embed_tokens`) would then be swapped
+        once per path and restored in the same order, which leaves a stand-in in the module
+        after the trace: such a module is listed by its first path alone."""
+        for path, module in self.named_modules(prefix=prefix):
+            for name, tensor in getattr(module, table).items():
+                if tensor is not None:
+                    yield (f"{path}.{name}" if path else name), tensor
+
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._spec.rebuild(tensors)
         result = self._call(self.m, *args, **kwargs)

@@ -490,6 +490,32 @@ def test_an_lstm_trains_like_eager_through_its_generic_kernels() -> None:
     assert all(w is p for w, p in weights)  # the module's own list, as before the trace
 
 
+def test_a_layer_drop_at_zero_leaves_no_draw_in_the_graphs_so_the_first_call_is_checked() -> None:
+    """`torch.rand([]) < 0.0` is False for every draw: the trace takes eager's branch and
+    the draw, read by nothing else, is not an operator of either graph."""
+    from ort_autopatch.engine.plain import check
+
+    class LayerDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.layerdrop = 0.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                if self.training and torch.rand([]) < self.layerdrop:
+                    continue
+                x = layer(x)
+            return x
+
+    plain = _train_like_eager(LayerDrop(), lambda: (torch.randn(3, 4),))
+    assert plain.captured.backward is not None
+    graphs = (plain.captured.forward.graph, plain.captured.backward.graph)
+    targets = {str(node.target) for graph in graphs for node in graph.nodes}
+    assert not any("rand" in target for target in targets), targets
+    assert check.random_operators(plain.program) == []
+
+
 def test_a_module_reached_by_two_paths_keeps_its_weight_after_the_trace() -> None:
     """T5's shared embedding is also `encoder.embed_tokens`, and the head is tied to it: the
     trace swaps each module's tensors for its stand-ins once, and puts back the originals."""

@@ -319,6 +319,7 @@ _PLAIN_SOURCES = (
     "plain/capture",
     "plain/check",
     "plain/decompositions",
+    "plain/draws",
     "plain/lowering",
     "plain/program",
     "plain/symbolic",

@@ -27,6 +27,7 @@ import torch
 
 from ort_autopatch.engine import budget, export, tracing
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
+from ort_autopatch.engine.plain import draws
 
 
 @dataclass(frozen=True)
@@ -296,11 +297,13 @@ def capture(
             if not any(map(is_fake, tensors)):  # a symbolic trace's are
                 # the trace's first run of forward, in its context: its reads are guards
                 budget.count_run(lambda: flat(*tensors))
-            with budget.enforced_fx():
+            with budget.enforced_fx(), draws.decided() as decisions:
                 joint = aot_export_joint_with_descriptors(
                     stack, flat, tuple(tensors), decompositions=decompositions
                 )
             gm = joint.graph_module
+            if decisions.any:  # LayerDrop's draws: read by the branch alone
+                draws.drop_unread_draws(gm)
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             output = next(n for n in gm.graph.nodes if n.op == "output")
             out_descs = list(output.meta["desc"])

@@ -171,7 +171,8 @@ def _classify(tensor: torch.Tensor) -> str:
 
 def _never_true(value: Any) -> bool:
     """`torch.rand([]) < p` with a constant p <= 0 (transformers' LayerDrop at its default 0):
-    the branch is the same for every draw, so nothing is frozen."""
+    the branch is the same for every draw, so nothing is frozen. (A larger p is a VALUE
+    hazard: the class runs in PyTorch. The plain backend decides alike, in plain/draws.py.)"""
     node = value.node()
     if node.kind() != "aten::lt":
         return False

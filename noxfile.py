@@ -1,14 +1,14 @@
 """Development sessions (`nox -s NAME`; `nox` alone runs `tests`).
 
 - `demo`: examples/train_mlp.py through the launcher, with its summary.
-- `tests`: the test suite on torch 2.13; it then runs `tests_transformers5`, `tests_plain`
-  and `tests_torch214`.
+- `tests`: the test suite on torch 2.13; it then runs `tests_transformers5`, `tests_plain`,
+  `tests_torch214` and `tests_plain_torch214`.
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
 - `tests_plain`: the whole suite on the plain backend and the latest (inference-only)
-  onnxruntime, every zoo entry included, but for the gaps issue 23 still owes (PLAIN_GAPS).
+  onnxruntime, every zoo entry included.
 - `tests_torch214`: what can differ between torch releases (export, parity, torchvision's
-  models) on torch 2.14.1 with torchvision 0.29.1.
+  models) on torch 2.14.1 with torchvision 0.29.1; `tests_plain_torch214` the same on plain.
 - `tests_torch215`: the whole suite on torch 2.15 (a download of several GB; not run by CI).
 - `lint`: ruff, ruff format, mypy and the README's generated tables (options, benchmarks).
 - `bench`: every benchmark; results in benchmarks/results/*.json. It then runs `bench_plain`.
@@ -70,6 +70,7 @@ def tests(session: nox.Session) -> None:
         session.notify("tests_transformers5")
         session.notify("tests_plain")
         session.notify("tests_torch214")
+        session.notify("tests_plain_torch214")
 
 
 @nox.session(python=PYTHON)
@@ -100,23 +101,18 @@ def tests_transformers5(session: nox.Session) -> None:
 # The whole suite again on the plain backend (inference-only onnxruntime, graphs from torch's
 # autograd), in an environment with the maintained onnxruntime and no training build: the two
 # packages cannot share one. Tests that only make sense on one backend skip with the reason.
-# PLAIN_GAPS are what issue 23 still owes on this backend (each fails today, for the reason
-# named): they stay listed here, not skipped in the tests, so the list shrinks as they are done
-# and a newly passing one is noticed by running it (`nox -s tests_plain -- <node id>`).
 # Every zoo entry runs here (ZOO_MODELS=all), not only the fast ones `nox -s tests` runs: the
 # plain backend is the younger, and the whole zoo costs about 80 s more than the fast entries
 # (121 s against 42 s on 2 cores at load 3; 5 to 7 minutes when the cores are busy).
-PLAIN_GAPS: tuple[str, ...] = ()
 
 
 @nox.session(python=PYTHON)
 def tests_plain(session: nox.Session) -> None:
     """The whole suite on the plain backend and the latest onnxruntime (`nox -s tests` runs
-    it), but for PLAIN_GAPS, with every zoo entry."""
+    it), with every zoo entry."""
     session.install(TORCH)
     session.install("-e", ".[cpu]", *TEST_DEPS)
-    gaps = [f"--deselect={gap}" for gap in PLAIN_GAPS] if not session.posargs else []
-    args = ("-q", "-p", "no:cacheprovider", "--durations=15", *gaps)
+    args = ("-q", "-p", "no:cacheprovider", "--durations=15")
     session.run("pytest", *args, *session.posargs, env={"ZOO_MODELS": "all"})
 
 
@@ -162,7 +158,7 @@ def lint(session: nox.Session) -> None:
     _install(session, "ruff", "mypy")
     checked = ("ort_autopatch", "tests", "benchmarks", "examples", "tools", "noxfile.py")
     session.run("ruff", "check", *checked)
-    session.run("ruff", "format", "--check", "ort_autopatch", "tools")
+    session.run("ruff", "format", "--check", "ort_autopatch", "tools", "noxfile.py")
     session.run("mypy")
     session.run("python", "tools/readme_options.py", "--check")
     # the README's benchmark tables are those of the committed results
@@ -264,4 +260,3 @@ def soak(session: nox.Session) -> None:
         env={"ORT_AUTOPATCH_RELIABILITY_RESULTS": results, "OMP_WAIT_POLICY": "PASSIVE"},
     )
     session.run("python", "benchmarks/render_reliability.py", results)
-

@@ -18,7 +18,8 @@ loss moves 0.5 to 5 % when its parameters are nudged, where ORT's is 0.7 % away)
 can be held closer to eager than eager is to itself.
 
 torch 2.13's CPU wheel and PyPI's torchvision do not import together: this file runs in
-`nox -s tests_torch214` (torch 2.14.1, torchvision 0.29.1).
+`nox -s tests_torch214` and, on the plain backend, `tests_plain_torch214` (torch 2.14.1,
+torchvision 0.29.1).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -197,6 +198,48 @@ def test_while_waiting_never_runs_without_a_child(monkeypatch: pytest.MonkeyPatc
     calls: list[int] = []
     assert sandbox.run(lambda: 3, while_waiting=lambda: calls.append(1) is None) == 3
     assert calls == []
+
+
+def _echo_twice(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
+    send(("ready", os.getpid()))
+    for _ in range(2):
+        send(receive() * 2)
+
+
+def _fail(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
+    raise KeyError("in the child")
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_a_started_child_answers_each_request_in_order() -> None:
+    child = sandbox.Child.spawn(_echo_twice)
+    assert child is not None
+    try:
+        assert child.receive(60)[1] != os.getpid()
+        child.send(b"x" * 3_000_000)
+        child.send(21)
+        assert child.receive(60) == b"x" * 6_000_000
+        assert child.receive(60) == 42
+    finally:
+        child.close()
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_a_started_childs_error_comes_back_and_then_it_is_gone() -> None:
+    child = sandbox.Child.spawn(_fail)
+    assert child is not None
+    try:
+        with pytest.raises(sandbox.ChildError, match="KeyError"):
+            child.receive(60)
+        with pytest.raises(EOFError):
+            child.receive(60)
+    finally:
+        child.close()
+
+
+def test_no_child_starts_where_forking_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "available", lambda: False)
+    assert sandbox.Child.spawn(_echo_twice) is None
 
 
 _FRESH_DIAGONAL = """

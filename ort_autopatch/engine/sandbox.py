@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -182,3 +183,111 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, 0)
     except ChildProcessError:  # reaped already (a SIGCHLD handler of the user's)
         pass
+
+
+class Child:
+    """A forked child that serves requests: started early (its own first-use work, such as
+    imports, overlaps this process's), given work later, one pickled message at a time in
+    each direction. `serve(receive, send)` runs in the child; the child exits when it
+    returns, raises, or this process closes it."""
+
+    def __init__(self, pid: int, to_child: int, from_child: int) -> None:
+        self.pid = pid
+        self._to_child = to_child
+        self._from_child = from_child
+        self._reader = _Reader(from_child)
+
+    @classmethod
+    def spawn(
+        cls, serve: Callable[[Callable[[], Any], Callable[[Any], None]], None]
+    ) -> Child | None:
+        """A child running `serve`; None where forking is not available."""
+        if not available():
+            return None
+        request_read, request_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12 warns of forking with threads running (the child may find a lock
+            # held forever); `serve` is written for that, and the parent's waits time out.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 0
+            try:
+                os.close(request_write)
+                os.close(reply_read)
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)  # its warnings and prints are not the user's
+                os.dup2(null, 2)
+                faulthandler.disable()
+                reader = _Reader(request_read)
+
+                def send(value: Any) -> None:
+                    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                    _write_all(reply_write, len(data).to_bytes(8, "little") + data)
+
+                try:
+                    serve(reader.receive, send)
+                except BaseException as exc:  # the parent learns of it, then does the work
+                    send(_Failed(exc))
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+        os.close(request_read)
+        os.close(reply_write)
+        return cls(pid, request_write, reply_read)
+
+    def send(self, value: Any) -> None:
+        """Pickle `value` to the child (raises OSError if it is gone)."""
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        _write_all(self._to_child, len(data).to_bytes(8, "little") + data)
+
+    def receive(self, timeout: float) -> Any:
+        """The child's next message; `ChildError` when it raised, `TimeoutError` when none
+        came in time, EOFError when it is gone."""
+        value = self._reader.receive(timeout)
+        if isinstance(value, _Failed):
+            raise ChildError(f"{value.type_name}: {value.message}")
+        return value
+
+    def close(self) -> None:
+        """End the child (if still running) and reap it in the background: its exit unmaps
+        its share of this process's memory, which need not be waited for."""
+        for fd in (self._to_child, self._from_child):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        threading.Thread(
+            target=_reap, args=(self.pid,), name="ort_autopatch-reap", daemon=True
+        ).start()
+
+
+class _Reader:
+    """Length-prefixed pickles from a pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+
+    def receive(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self.buffer) < 8 or len(self.buffer) < 8 + int.from_bytes(
+            self.buffer[:8], "little"
+        ):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                    raise TimeoutError("no message from the child in time")
+            data = os.read(self.fd, 1 << 20)
+            if not data:
+                raise EOFError("the child is gone")
+            self.buffer += data
+        size = int.from_bytes(self.buffer[:8], "little")
+        data, self.buffer = self.buffer[8 : 8 + size], self.buffer[8 + size :]
+        return pickle.loads(data)

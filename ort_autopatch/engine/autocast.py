@@ -47,6 +47,11 @@ def describe(autocast: State) -> str:
 _ONNX_TYPES = {torch.float16: 10, torch.bfloat16: 16}
 
 
+def lowers_on_cpu(autocast: State) -> bool:
+    """Autocast lowers precision on CPU: only then may `cpu_refusal` refuse a graph."""
+    return autocast is not None and autocast[0] == "cpu"
+
+
 def cpu_refusal(model: Any, autocast: State) -> str | None:
     """Why ORT's CPU build cannot run this graph as autocast computes it, or None.
 
@@ -56,7 +61,7 @@ def cpu_refusal(model: Any, autocast: State) -> str | None:
     outputs where eager gives float16. A graph that autocast left in float32 (no operator it
     lowers) runs as it is.
     """
-    if autocast is None or autocast[0] != "cpu":
+    if autocast is None or not lowers_on_cpu(autocast):
         return None
     dtype = autocast[1]
     target = _ONNX_TYPES.get(dtype)

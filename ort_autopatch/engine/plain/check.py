@@ -36,6 +36,8 @@ class _EagerFailed(Exception):
 
 
 def random_operators(program: Program) -> list[str]:
+    if program.lowered.random_operators is not None:  # read when it was lowered
+        return program.lowered.random_operators
     import onnx
 
     found = set(verify.random_ops(onnx.load_from_string(program.lowered.forward)))

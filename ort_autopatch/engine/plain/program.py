@@ -136,6 +136,8 @@ class Lowered:
     #: what sessions need to know of each graph ("forward", "backward"), read when it was
     #: lowered, so that sessions for a stored graph never parse it (nor import onnx)
     facts: dict[str, GraphFacts]
+    #: forward's random operators, read when it was lowered (None: a stored graph's, unread)
+    random_operators: list[str] | None = None
 
     def graphs(self) -> dict[str, bytes]:
         found = {"forward": self.forward}
@@ -184,33 +186,68 @@ class Lowered:
         )
 
 
-def lower(captured: Captured, cls: str) -> Lowered:
-    """Both graphs of a capture to ONNX."""
-    forward_outputs = _outputs_for_onnx(captured.forward)
-    forward = lowering.to_onnx(captured.forward, cls, "forward")
-    backward = None
+@dataclass
+class Graphs:
+    """Both graphs of a capture as ONNX, with what sessions need of them: the part of
+    lowering that needs the exporter (and can run in another process, `offload`)."""
+
+    forward: bytes
+    backward: bytes | None
+    forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
+    backward_outputs: list[tuple[str, int]]
+    facts: dict[str, GraphFacts]
+    random_operators: list[str]  # forward's (`verify.random_ops`)
+
+
+def lower_graphs(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, cls: str
+) -> Graphs:
+    """Both graphs to ONNX (their outputs rewritten to what ONNX can carry)."""
+    import onnx
+
+    from ort_autopatch.engine import verify
+
+    forward_outputs = _outputs_for_onnx(forward)
+    forward_model = lowering.to_onnx(forward, cls, "forward")
+    backward_model = None
     backward_outputs: list[tuple[str, int]] = []
-    if captured.backward is not None:
-        backward_outputs = _outputs_for_onnx(captured.backward)
-        backward = lowering.to_onnx(captured.backward, cls, "backward")
+    if backward is not None:
+        backward_outputs = _outputs_for_onnx(backward)
+        backward_model = lowering.to_onnx(backward, cls, "backward")
+    return Graphs(
+        forward=forward_model,
+        backward=backward_model,
+        forward_outputs=forward_outputs,
+        backward_outputs=backward_outputs,
+        facts={
+            role: GraphFacts.of(model)
+            for role, model in (("forward", forward_model), ("backward", backward_model))
+            if model is not None
+        },
+        random_operators=verify.random_ops(onnx.load_from_string(forward_model)),
+    )
+
+
+def lower(captured: Captured, cls: str, graphs: Graphs | None = None) -> Lowered:
+    """Both graphs of a capture to ONNX (or `graphs`, lowered from it elsewhere), and the
+    maps between them."""
+    if graphs is None:
+        graphs = lower_graphs(captured.forward, captured.backward, cls)
     position = {feed: k for k, feed in enumerate(captured.feeds)}
     return Lowered(
-        forward=forward,
-        backward=backward,
+        forward=graphs.forward,
+        backward=graphs.backward,
         feeds=captured.feeds,
         user_outputs=captured.user_outputs,
         mutations={k: position[Feed("buffer", name)] for k, name in captured.mutations.items()},
         backward_inputs=captured.backward_inputs,
-        forward_outputs=forward_outputs,
-        backward_outputs=backward_outputs,
+        forward_outputs=graphs.forward_outputs,
+        backward_outputs=graphs.backward_outputs,
         aliases=captured.aliases,
         viewed_feeds=captured.viewed_feeds,
         viewed_outputs=captured.viewed_outputs,
-        facts={
-            role: GraphFacts.of(model)
-            for role, model in (("forward", forward), ("backward", backward))
-            if model is not None
-        },
+        facts=graphs.facts,
+        random_operators=graphs.random_operators,
     )
 
 

@@ -133,10 +133,6 @@ class PlainBuild(Backend):
             )
 
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
-        import onnx
-
-        from ort_autopatch.engine.plain import capture, decompositions, program
-
         reason = runtime.unavailable_reason("ort")
         if reason is not None:
             raise RuntimeUnavailableError(self.module_class, reason, "Run the model eagerly")
@@ -148,23 +144,14 @@ class PlainBuild(Backend):
         if miss.dynamic is not None:
             built = self._symbolic(miss, progress)
         if built is None:
-            progress.phase = "tracing forward and backward"
-            table = decompositions.table()
-            try:
-                captured = capture.capture(
-                    miss.module, self.forward, call.spec(), call.tensors, cls, table
-                )
-            except ExportError as exc:
-                data_dependent = self._data_dependent(exc)
-                if data_dependent is None:
-                    raise
-                raise data_dependent from exc
-            progress.phase = "lowering to ONNX"
-            built = captured, program.lower(captured, cls), SizeGuards(call.shapes())
+            built = self._exact(miss, progress)
         captured, lowered, guards = built
-        refusal = amp.cpu_refusal(onnx.load_from_string(lowered.forward), miss.autocast)
-        if refusal is not None:  # ORT would round otherwise than autocast: a known limitation
-            raise AutocastUnsupportedError(cls, refusal, amp.REMEDY)
+        if amp.lowers_on_cpu(miss.autocast):
+            import onnx
+
+            refusal = amp.cpu_refusal(onnx.load_from_string(lowered.forward), miss.autocast)
+            if refusal is not None:  # ORT would round otherwise than autocast: a known limit
+                raise AutocastUnsupportedError(cls, refusal, amp.REMEDY)
         names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
         sources: dict[str, tuple[str, Any]] = {}
         first_names = _first_names(miss)
@@ -195,6 +182,38 @@ class PlainBuild(Backend):
             size_guards=guards,
         )
         return recipe, time.perf_counter() - start
+
+    def _exact(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards]:
+        """The call traced for its shapes and lowered. A child forked first imports the
+        exporter and lowers the graphs (`plain.offload`) while this process imports
+        aot_autograd and traces; without one (no fork, the exporter imported here already, a
+        graph the child cannot take, a failed child) they are lowered here."""
+        from ort_autopatch.engine.plain import capture, decompositions, offload, program
+
+        call, cls = miss.call, self.module_class
+        lowerer = offload.Lowerer.start()
+        graphs = None
+        try:
+            if lowerer is not None:
+                capture.load_tracer()  # while the child imports torchlib
+            table = decompositions.table(lowerer.implemented() if lowerer else None)
+            progress.phase = "tracing forward and backward"
+            try:
+                captured = capture.capture(
+                    miss.module, self.forward, call.spec(), call.tensors, cls, table
+                )
+            except ExportError as exc:
+                data_dependent = self._data_dependent(exc)
+                if data_dependent is None:
+                    raise
+                raise data_dependent from exc
+            progress.phase = "lowering to ONNX"
+            if lowerer is not None:
+                graphs = lowerer.lower(captured.forward, captured.backward, cls)
+        finally:
+            if lowerer is not None:
+                lowerer.close()
+        return captured, program.lower(captured, cls, graphs), SizeGuards(call.shapes())
 
     def _symbolic(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards] | None:
         """The call traced with `miss.dynamic` as symbols, lowered, and its guards; None (and

@@ -262,6 +262,14 @@ def real_constants_allowed() -> Iterator[None]:
         fake_tensor_tls.allow_non_fake_inputs_override = previous
 
 
+def load_tracer() -> None:
+    """Import aot_autograd and its partitioner (most of a fresh process's first trace), so
+    that a caller can do so while other work (`offload`) runs."""
+    from torch._functorch import aot_autograd, partitioners
+
+    del aot_autograd, partitioners
+
+
 def capture(
     module: torch.nn.Module,
     forward: Callable[..., Any],

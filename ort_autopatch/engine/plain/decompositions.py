@@ -467,15 +467,19 @@ OURS: dict[Any, Callable[..., Any]] = {
 
 
 @functools.cache
-def table() -> dict[Any, Callable[..., Any]]:
-    """The decompositions the capture traces with (built once: it walks torch's tables)."""
+def table(implemented: frozenset[Any] | None = None) -> dict[Any, Callable[..., Any]]:
+    """The decompositions the capture traces with (built once: it walks torch's tables):
+    torch's, less those of the operators torchlib translates (`implemented`, by default
+    `lowering.implemented()`, which imports the exporter)."""
     from torch._decomp import get_decompositions
     from torch.onnx._internal.exporter import _decomp
 
-    from ort_autopatch.engine.plain import lowering
+    if implemented is None:
+        from ort_autopatch.engine.plain import lowering
 
+        implemented = lowering.implemented()
     found: dict[Any, Callable[..., Any]] = dict(
-        _decomp.create_onnx_friendly_decomposition_table(set(lowering.implemented()))
+        _decomp.create_onnx_friendly_decomposition_table(set(implemented))
     )
     found.update(get_decompositions(list(TORCH_DECOMPOSED)))
     found.update(OURS)

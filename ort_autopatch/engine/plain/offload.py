@@ -1,0 +1,390 @@
+"""Lowering a process's first graphs in a forked child, while this process traces them.
+
+A cold first call spends most of its time importing: torch's aot_autograd (the trace) and the
+exporter's stack (torchlib, onnx, onnx_ir: the lowering), one after the other on one core. A
+`Lowerer` forked at the start of a build imports the exporter's stack on the other core while
+this process imports aot_autograd and traces; the child names the operators torchlib
+translates (what the decomposition table needs before the trace), then lowers the two graphs
+the trace sent it and returns their ONNX bytes. This process then never imports the exporter
+or onnx for that build.
+
+FX graphs do not pickle with their node meta (the translator reads each node's `val`), so the
+graphs cross as plain data (`encode`): each node's op, name, target by qualified name, its
+arguments (node references and plain constants), its fake value as shape, strides, dtype and
+device (made fake again in the child) and the meta the translator copies into the graph (stack
+trace, module stack, with classes by name). Only CPU graphs of exact shapes cross: a node this
+cannot carry (a symbolic size, a CUDA value, an unknown target), a child that fails, hangs or
+dies, all mean lowering here, as without the child; the result is then the same.
+
+Fork safety: the child runs no parallel torch kernel (its thread count is set to 1 before any
+torch work: OpenMP's pool does not survive a fork) and touches no CUDA (only CPU graphs are
+sent); locks another thread of this process may have held at fork time are made anew in the
+child. Its stdout and stderr go nowhere. Where fork is unavailable (`sandbox.available`),
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ort_autopatch.engine import sandbox
+
+if TYPE_CHECKING:
+    from ort_autopatch.engine.plain.program import Graphs
+
+log = logging.getLogger("ort_autopatch")
+
+#: How long this process waits for a child's answer before lowering itself (a child stuck on
+#: a lock held at fork time never answers).
+TIMEOUT_SECONDS = 300.0
+
+#: What the child spares this process; once imported here, lowering here costs no import.
+_EXPORTER = "onnxscript.function_libs.torch_lib.ops"
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)
+_CALLABLE_MODULES = ("_operator", "math")  # targets besides ATen's (`operator.getitem`)
+
+_implemented: list[frozenset[Any]] = []  # the first child's answer: the same for every child
+
+
+class Unsupported(Exception):
+    """A graph holds something `encode` cannot carry: it is lowered in this process."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """An argument that is another node's value, by the node's name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _Fake:
+    """A fake tensor as its metadata: the child makes it again in its own fake mode."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Node:
+    """One FX node as plain data."""
+
+    op: str
+    name: str
+    target: Any  # a str for placeholders, attributes and the output; else ("op"|"py", ...)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    val: Any
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One graph as plain data, with its real constants."""
+
+    nodes: list[_Node]
+    constants: dict[str, torch.Tensor]
+
+
+def _target(target: Any) -> tuple[str, ...]:
+    if isinstance(target, torch._ops.OpOverload):
+        namespace, name = target.overloadpacket._qualified_op_name.split("::")
+        found: tuple[str, ...] = ("op", namespace, name, target._overloadname)
+    else:
+        module = getattr(target, "__module__", None)
+        name = getattr(target, "__name__", None)
+        if module not in _CALLABLE_MODULES or not isinstance(name, str):
+            raise Unsupported(f"the target {target!r}")
+        found = ("py", module, name)
+    if _resolve(found) is not target:
+        raise Unsupported(f"the target {target!r}, which its name does not find")
+    return found
+
+
+def _resolve(target: tuple[str, ...]) -> Any:
+    if target[0] == "op":
+        _, namespace, name, overload = target
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    return getattr(importlib.import_module(target[1]), target[2])
+
+
+def _arg(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return _Ref(value.name)
+    if isinstance(value, list | tuple):
+        items = [_arg(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.device) and value.type == "cpu":
+        return value
+    raise Unsupported(f"an argument {value!r}")
+
+
+def _val(value: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor):
+        if value.device.type != "cpu" or value.layout != torch.strided:
+            raise Unsupported(f"a value on {value.device}, {value.layout}")
+        sizes = (*value.shape, *value.stride(), value.storage_offset())
+        if not all(type(size) is int for size in sizes):
+            raise Unsupported("a symbolic size")
+        shape, stride = tuple(map(int, value.shape)), tuple(map(int, value.stride()))
+        return _Fake(shape, stride, int(value.storage_offset()), value.dtype)
+    if isinstance(value, list | tuple):
+        items = [_val(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    if type(value) in (int, float, bool) or value is None:
+        return value
+    raise Unsupported(f"a value {type(value).__name__}")
+
+
+def _module_name(cls: Any) -> str:
+    """A module class as the translator names it (`_core._get_qualified_module_name`)."""
+    if isinstance(cls, str):
+        return cls
+    module = cls.__module__
+    if module is None or module == str.__class__.__module__:
+        return str(cls.__name__)
+    return f"{module}.{cls.__name__}"
+
+
+def _meta(node: torch.fx.Node) -> dict[str, Any]:
+    """The meta the translator writes into the ONNX graph besides `val`."""
+    meta: dict[str, Any] = {}
+    if "stack_trace" in node.meta:
+        trace = node.meta["stack_trace"]
+        if not isinstance(trace, str | None):
+            raise Unsupported("a stack trace that is no string")
+        meta["stack_trace"] = trace
+    if "nn_module_stack" in node.meta:
+        stack = node.meta["nn_module_stack"]
+        try:
+            meta["nn_module_stack"] = {
+                str(key): (str(path), _module_name(cls)) for key, (path, cls) in stack.items()
+            }
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise Unsupported(f"a module stack {stack!r}") from exc
+    return meta
+
+
+def encode(gm: torch.fx.GraphModule) -> Encoded:
+    """`gm` as plain data, or `Unsupported`."""
+    nodes = []
+    constants: dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            target: Any = node.target
+            val = _val(node.meta.get("val")) if node.op == "placeholder" else None
+        elif node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if (
+                "." in node.target
+                or type(value) is not torch.Tensor
+                or value.device.type != "cpu"
+                or node.meta.get("val") is not value
+            ):
+                raise Unsupported(f"an attribute {node.target!r}")
+            constants[node.target] = value
+            target, val = node.target, None
+        elif node.op == "call_function":
+            target = _target(node.target)
+            val = _val(node.meta.get("val"))
+        else:
+            raise Unsupported(f"a {node.op} node")
+        if node.type is not None:  # the translator writes it into the graph's metadata
+            raise Unsupported(f"a node typed {node.type!r}")
+        nodes.append(
+            _Node(
+                node.op,
+                node.name,
+                target,
+                _arg(tuple(node.args)),
+                {key: _arg(value) for key, value in node.kwargs.items()},
+                val,
+                _meta(node),
+            )
+        )
+    return Encoded(nodes, constants)
+
+
+def decode(encoded: Encoded) -> torch.fx.GraphModule:
+    """The graph `encode` was given, its values fake tensors of a new fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+
+    def fake(value: Any) -> Any:
+        if isinstance(value, _Fake):
+            extent = 1 + sum(
+                (size - 1) * step for size, step in zip(value.shape, value.stride, strict=True)
+            )
+            with mode:
+                base = torch.empty(value.offset + max(extent, 0), dtype=value.dtype)
+                return base.as_strided(value.shape, value.stride, value.offset)
+        if isinstance(value, list | tuple):
+            items = [fake(item) for item in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    graph = torch.fx.Graph()
+    made: dict[str, torch.fx.Node] = {}
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, _Ref):
+            return made[value.name]
+        if isinstance(value, list | tuple):
+            items = [arg(item) for item in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    root = torch.nn.Module()
+    for name, tensor in encoded.constants.items():
+        setattr(root, name, tensor)
+    for spec in encoded.nodes:
+        target = _resolve(spec.target) if spec.op == "call_function" else spec.target
+        node = graph.create_node(
+            spec.op,
+            target,
+            arg(spec.args),
+            {key: arg(value) for key, value in spec.kwargs.items()},
+            name=spec.name,
+        )
+        if node.name != spec.name:
+            raise ValueError(f"node {spec.name!r} came back as {node.name!r}")
+        made[spec.name] = node
+        node.meta.update(spec.meta)
+        if spec.op == "get_attr":
+            node.meta["val"] = encoded.constants[spec.target]
+        elif spec.op != "output":
+            node.meta["val"] = fake(spec.val)
+    return torch.fx.GraphModule(root, graph)
+
+
+def _implemented_names() -> list[tuple[str, ...]]:
+    """The ATen operators torchlib translates, by name (all the decomposition table reads)."""
+    from ort_autopatch.engine.plain import lowering
+
+    names = []
+    for target in lowering.implemented():
+        if isinstance(target, torch._ops.OpOverload):
+            try:
+                names.append(_target(target))
+            except Unsupported:
+                continue
+    return names
+
+
+def _found(names: list[tuple[str, ...]]) -> list[Any]:
+    """The operators of `names` that exist here (the exporter's imports register a few of
+    their own, which no table of this process holds)."""
+    found = []
+    for name in names:
+        try:
+            found.append(_resolve(name))
+        except AttributeError:
+            continue
+    return found
+
+
+def _warm_up() -> None:
+    """Lower a one-node graph while the parent traces: the first fake tensors, type promotion
+    pass, translation and serialisation of a process cost about as much as the lowering of
+    a transformer layer's two graphs that follows."""
+    from ort_autopatch.engine.plain import program
+
+    x = _Fake((2,), (1,), 0, torch.float32)
+    nodes = [
+        _Node("placeholder", "x", "x", (), {}, x, {}),
+        _Node("call_function", "mul", ("op", "aten", "mul", "Tensor"), (_Ref("x"),) * 2, {}, x, {}),
+        _Node("output", "output", "output", ((_Ref("mul"),),), {}, None, {}),
+    ]
+    program.lower_graphs(decode(Encoded(nodes, {})), None, "warm-up")
+
+
+def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
+    """The child: import, name what torchlib translates, lower what comes."""
+    from ort_autopatch.engine import export
+    from ort_autopatch.engine.plain import lowering, program
+
+    # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
+    # thread pool (libgomp's) does not survive a fork
+    torch.set_num_threads(1)
+    export.EXPORT_LOCK = lowering.EXPORT_LOCK = threading.RLock()  # maybe held at fork
+    lowering._lock = threading.Lock()
+    send(_implemented_names())
+    _warm_up()
+    cls, forward, backward = receive()
+    send(program.lower_graphs(decode(forward), None if backward is None else decode(backward), cls))
+
+
+class Lowerer:
+    """A child lowering one build's exact-shape graphs (see the module's docstring)."""
+
+    def __init__(self, child: sandbox.Child) -> None:
+        self._child = child
+        self._names: list[tuple[str, ...]] | None = None
+
+    @classmethod
+    def start(cls) -> Lowerer | None:
+        """A child importing the exporter now; None where forking is unavailable, or where
+        this process has imported the exporter already (lowering here costs no import)."""
+        return None if _EXPORTER in sys.modules else cls.spawn()
+
+    @classmethod
+    def spawn(cls) -> Lowerer | None:
+        """A child, whatever this process has imported; None where forking is unavailable."""
+        child = sandbox.Child.spawn(_serve)
+        return None if child is None else cls(child)
+
+    def _receive(self) -> Any:
+        return self._child.receive(TIMEOUT_SECONDS)
+
+    def implemented(self) -> frozenset[Any] | None:
+        """The operators torchlib translates, from the child (or an earlier child); None if
+        it failed: `lowering.implemented()` then."""
+        if _implemented:
+            return _implemented[0]
+        try:
+            self._names = self._receive()
+            assert self._names is not None
+            found = frozenset(_found(self._names))
+        except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
+            log.debug("the lowering child named no operators (%s)", exc)
+            return None
+        _implemented.append(found)
+        return found
+
+    def lower(
+        self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, cls: str
+    ) -> Graphs | None:
+        """Both graphs lowered by the child, or None: lower them here."""
+        try:
+            request = (cls, encode(forward), None if backward is None else encode(backward))
+        except Unsupported as exc:
+            log.debug("%s: lowered in this process: the graph has %s", cls, exc)
+            return None
+        try:
+            if self._names is None:
+                self._names = self._receive()  # the child's first answer, not read yet
+            self._child.send(request)
+            graphs: Graphs = self._receive()
+            return graphs
+        except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
+            log.debug("%s: lowered in this process: the child failed (%s)", cls, exc)
+            return None
+
+    def close(self) -> None:
+        self._child.close()

@@ -1,0 +1,232 @@
+"""A process's first graphs are lowered in a forked child that imported the exporter while
+this process traced: the same ONNX bytes as lowering here, the same decomposition table, and
+whatever the child cannot take or fails at is lowered here instead."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine import ModuleEngine, sandbox, signature
+from ort_autopatch.engine.recipe import EngineOptions
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, ran_in_plain_ort
+
+pytestmark = [
+    pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON),
+    pytest.mark.skipif(not sandbox.available(), reason="the lowering child is forked"),
+]
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.head(y.flatten(1))
+
+
+class Scaled(nn.Module):
+    """Reads a plain tensor attribute: a constant of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+    return layer, (torch.randn(2, 5, 16),)
+
+
+def _conv() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return Conv(), (torch.randn(2, 3, 8, 8),)
+
+
+def _lstm() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),)
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
+    "transformer": _transformer,
+    "conv_batchnorm_pool": _conv,
+    "lstm": _lstm,
+    "tensor_attribute": lambda: (Scaled(), (torch.randn(3, 4),)),
+}
+
+
+def _captured(module: nn.Module, *args: torch.Tensor) -> Any:
+    from ort_autopatch.engine.plain import capture, decompositions
+
+    call = signature.flatten_call("M", args, {})
+    return capture.capture(
+        module,
+        lambda m, *a, **k: m(*a, **k),
+        call.spec(),
+        call.tensors,
+        "M",
+        decompositions.table(),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_child_lowers_a_capture_to_the_bytes_lowering_here_gives(name: str) -> None:
+    from ort_autopatch.engine.plain import offload, program
+
+    torch.manual_seed(0)
+    module, args = MODELS[name]()
+    # two captures of one call: lowering rewrites the outputs of the graphs it is given
+    sent, kept = _captured(module, *args), _captured(module, *args)
+    lowerer = offload.Lowerer.spawn()
+    assert lowerer is not None
+    try:
+        there = lowerer.lower(sent.forward, sent.backward, "M")
+    finally:
+        lowerer.close()
+    assert there is not None, "the child lowered nothing"
+    here = program.lower_graphs(kept.forward, kept.backward, "M")
+    assert there.forward == here.forward
+    assert there.backward == here.backward
+    assert there == here  # the output plans and what sessions need to know, too
+
+
+def test_the_childs_operator_names_give_the_decomposition_table_of_this_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ort_autopatch.engine.plain import decompositions, offload
+
+    monkeypatch.setattr(offload, "_implemented", [])  # no earlier child's answer
+    lowerer = offload.Lowerer.spawn()
+    assert lowerer is not None
+    try:
+        named = lowerer.implemented()
+    finally:
+        lowerer.close()
+    assert named is not None
+    # both made now: the cached table predates what later imports registered (collectives)
+    there, here = decompositions.table.__wrapped__(named), decompositions.table.__wrapped__()
+    assert set(there) == set(here)
+    for op, function in there.items():
+        assert _same(function, here[op]), op
+
+
+def _same(a: Any, b: Any) -> bool:
+    """One function, or partials of one (torch makes its CIA decompositions anew per table)."""
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return _described(a) == _described(b)
+    return a is b
+
+
+def _described(partial: functools.partial[Any]) -> tuple[Any, ...]:
+    return partial.func.__qualname__, partial.args, partial.keywords
+
+
+def test_a_graph_with_symbolic_sizes_is_not_sent() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.plain import offload
+
+    gm = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.randn(3, 4))
+    with pytest.raises(offload.Unsupported, match="symbolic"):
+        offload.encode(gm)
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_graph_calling_a_python_function_is_not_sent() -> None:
+    from ort_autopatch.engine.plain import offload
+
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(_double, (graph.placeholder("x"),)))
+    with pytest.raises(offload.Unsupported, match="_double"):
+        offload.encode(torch.fx.GraphModule(nn.Module(), graph))
+
+
+def _first_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[Any]:
+    """A transformer layer's first call, forward and backward, through a fresh engine whose
+    build starts a lowering child (as a process's first build does) and against eager; what
+    each build's child gave back."""
+    from ort_autopatch.engine.plain import offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")  # a child every build
+    answers: list[Any] = []
+    lower = offload.Lowerer.lower
+
+    def recorded(self: offload.Lowerer, *args: Any) -> Any:
+        answers.append(lower(self, *args))
+        return answers[-1]
+
+    monkeypatch.setattr(offload.Lowerer, "lower", recorded)
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    eager = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, 16)
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))
+    out, expected = engine(x), eager(x)
+    assert ran_in_plain_ort(out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    return answers
+
+
+def test_a_build_lowered_by_its_child_runs_in_ort_with_eagers_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    answers = _first_call(monkeypatch, tmp_path)
+    assert len(answers) == 1 and answers[0] is not None, "the child lowered nothing"
+
+
+def test_a_build_whose_child_fails_lowers_here_with_eagers_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from ort_autopatch.engine.plain import offload
+
+    def broken(encoded: Any) -> Any:
+        raise RuntimeError("injected: the child cannot rebuild the graph")
+
+    monkeypatch.setattr(offload, "decode", broken)  # runs in the child only
+    assert _first_call(monkeypatch, tmp_path) == [None]
+
+
+_FRESH = """
+import sys, tempfile
+import torch
+from torch import nn
+from ort_autopatch.engine import ModuleEngine
+from ort_autopatch.engine.recipe import EngineOptions
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+with tempfile.TemporaryDirectory() as folder:
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=folder))
+    out = engine(torch.randn(5, 6))
+    out.sum().backward()
+print(type(out.grad_fn).__name__, "onnx" in sys.modules, "onnxscript" in sys.modules)
+"""
+
+
+def test_a_fresh_processs_first_build_imports_neither_onnx_nor_the_exporter() -> None:
+    """The child imported and lowered: this process traced, and runs the graphs."""
+    from tests.proc_helpers import PY, REPO, run
+
+    done = run([PY, "-c", _FRESH], cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["PlainTrainingCallBackward", "False", "False"], done.stdout

@@ -237,6 +237,47 @@ def test_a_started_childs_error_comes_back_and_then_it_is_gone() -> None:
         child.close()
 
 
+class _Cycle:
+    """Garbage that only the collector frees; its finalizer names the process it ran in."""
+
+    def __init__(self, log: Any) -> None:
+        self.me = self
+        self.log = log
+
+    def __del__(self) -> None:
+        with open(self.log, "a") as out:
+            out.write(f"{os.getpid()}\n")
+
+
+def _collect(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
+    import gc
+
+    gc.collect()
+    send(os.getpid())
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_a_child_never_finalizes_this_processs_objects(tmp_path: Any) -> None:
+    """An ONNX Runtime session finalized in a child waits for its thread pool's threads,
+    which did not survive the fork, forever."""
+    import gc
+
+    log = tmp_path / "finalized"
+    gc.disable()
+    try:
+        _Cycle(log)  # garbage now, collected by nobody yet
+        child = sandbox.Child.spawn(_collect)
+        assert child is not None
+        try:
+            pid = child.receive(60)
+        finally:
+            child.close()
+    finally:
+        gc.enable()
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())], f"child {pid} finalized it too"
+
+
 def test_no_child_starts_where_forking_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sandbox, "available", lambda: False)
     assert sandbox.Child.spawn(_echo_twice) is None

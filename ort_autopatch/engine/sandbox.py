@@ -4,6 +4,7 @@ graphs) in a forked child, where an abort costs a fallback instead of the user's
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import pickle
 import select
@@ -48,6 +49,27 @@ def available() -> bool:
     return hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
+def _fork() -> int:
+    """`os.fork`, with this process's objects never collected in the child: a finalizer run
+    there (an ONNX Runtime session's, whose thread pool's threads did not survive the fork)
+    would wait for those threads forever. The collector is off across the fork, so it cannot
+    run in the child before the objects are frozen."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12 warns of forking with threads running (the child may find a lock
+            # held forever); children are written for that, and the parent's waits time out.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
+    return pid
+
+
 def run(
     step: Callable[[], T],
     meanwhile: Callable[[], None] | None = None,
@@ -69,7 +91,7 @@ def run(
         return step()
     result_read, result_write = os.pipe()
     error_read, error_write = os.pipe()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:  # the child: never returns
         _child(step, result_read, result_write, error_read, error_write)
     os.close(result_write)
@@ -206,11 +228,7 @@ class Child:
             return None
         request_read, request_write = os.pipe()
         reply_read, reply_write = os.pipe()
-        with warnings.catch_warnings():
-            # Python 3.12 warns of forking with threads running (the child may find a lock
-            # held forever); `serve` is written for that, and the parent's waits time out.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+        pid = _fork()
         if pid == 0:  # the child: never returns
             code = 0
             try:

@@ -162,7 +162,9 @@ def _first_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[Any]:
     each build's child gave back."""
     from ort_autopatch.engine.plain import offload
 
-    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")  # a child every build
+    # a child every build, however busy the machine
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_core_to_spare", lambda: True)
     answers: list[Any] = []
     lower = offload.Lowerer.lower
 
@@ -199,11 +201,27 @@ def test_a_build_whose_child_fails_lowers_here_with_eagers_numbers(
 ) -> None:
     from ort_autopatch.engine.plain import offload
 
-    def broken(encoded: Any) -> Any:
-        raise RuntimeError("injected: the child cannot rebuild the graph")
+    def broken() -> None:
+        raise RuntimeError("injected: the child's translator is broken")
 
-    monkeypatch.setattr(offload, "decode", broken)  # runs in the child only
+    monkeypatch.setattr(offload, "_warm_up", broken)  # runs in the child only
     assert _first_call(monkeypatch, tmp_path) == [None]
+
+
+def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No child where no core is free: its extra CPU would slow both processes down."""
+    import os
+
+    from ort_autopatch.engine.plain import offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    assert offload.Lowerer.start() is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    lowerer = offload.Lowerer.start()
+    assert lowerer is not None
+    lowerer.close()
 
 
 _FRESH = """
@@ -211,7 +229,10 @@ import sys, tempfile
 import torch
 from torch import nn
 from ort_autopatch.engine import ModuleEngine
+from ort_autopatch.engine.plain import offload
 from ort_autopatch.engine.recipe import EngineOptions
+
+offload._core_to_spare = lambda: True  # however busy the machine running the tests
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -154,9 +154,22 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str) -> bytes:
+def promote_types(gm: torch.fx.GraphModule) -> None:
+    """The exporter's type-promotion pass (casts where ATen promotes implicitly), as
+    `to_onnx` runs it: it runs the graph on its fake tensors, so it needs no more of the
+    exporter than this pass (`offload` runs it before sending a graph)."""
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    from ort_autopatch.engine.plain.capture import real_constants_allowed
+
+    with EXPORT_LOCK, real_constants_allowed():  # see `to_onnx`
+        type_promotion.InsertTypePromotion(gm).run()
+
+
+def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = False) -> bytes:
     """The ONNX bytes of one graph: its placeholders are the inputs, its outputs (no None,
-    none twice) the outputs, all named after their FX nodes."""
+    none twice) the outputs, all named after their FX nodes. `promoted`: `promote_types`
+    has run (the graph's values need not be fake tensors then: shapes and dtypes do)."""
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
@@ -181,7 +194,8 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str) -> bytes:
         # sets a process-wide logger level; real constants pass, as type promotion runs the
         # graph on fakes.
         with EXPORT_LOCK, _quiet(), real_constants_allowed():
-            _fx_passes.insert_type_promotion_nodes(gm)
+            if not promoted:
+                _fx_passes.insert_type_promotion_nodes(gm)
             _core._translate_fx_graph(
                 gm.graph,
                 model,

@@ -1,20 +1,24 @@
 """Lowering a process's first graphs in a forked child, while this process traces them.
 
-A cold first call spends most of its time importing: torch's aot_autograd (the trace) and the
+A cold first call spent most of its time importing: torch's aot_autograd (the trace) and the
 exporter's stack (torchlib, onnx, onnx_ir: the lowering), one after the other on one core. A
 `Lowerer` forked at the start of a build imports the exporter's stack on the other core while
 this process imports aot_autograd and traces; the child names the operators torchlib
-translates (what the decomposition table needs before the trace), then lowers the two graphs
-the trace sent it and returns their ONNX bytes. This process then never imports the exporter
-or onnx for that build.
+translates (what the decomposition table needs before the trace), warms the translator up,
+then lowers the two graphs the trace sent it and returns their ONNX bytes. This process then
+never imports the exporter or onnx for that build. Only where a core is free: on a busy
+machine the child's own CPU costs more than the overlap gains (`_core_to_spare`).
 
 FX graphs do not pickle with their node meta (the translator reads each node's `val`), so the
 graphs cross as plain data (`encode`): each node's op, name, target by qualified name, its
 arguments (node references and plain constants), its fake value as shape, strides, dtype and
-device (made fake again in the child) and the meta the translator copies into the graph (stack
-trace, module stack, with classes by name). Only CPU graphs of exact shapes cross: a node this
-cannot carry (a symbolic size, a CUDA value, an unknown target), a child that fails, hangs or
-dies, all mean lowering here, as without the child; the result is then the same.
+storage offset, and the meta the translator copies into the graph (stack trace, module stack
+with classes by name). The exporter's type-promotion pass runs the graph on fake tensors, and
+a process's first fake tensor mode imports torch._dynamo (a second): it runs here, on a copy
+rebuilt from the encoding, and the child rebuilds the promoted graph on meta tensors, which
+carry all the translator reads. Only CPU graphs of exact shapes cross: a node this cannot
+carry (a symbolic size, a CUDA value, an unknown target), a failed type promotion, a child
+that fails, hangs or dies, all mean lowering here, as without the child, with the same result.
 
 Fork safety: the child runs no parallel torch kernel (its thread count is set to 1 before any
 torch work: OpenMP's pool does not survive a fork) and touches no CUDA (only CPU graphs are
@@ -25,8 +29,10 @@ nothing changes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -49,6 +55,10 @@ TIMEOUT_SECONDS = 300.0
 #: What the child spares this process; once imported here, lowering here costs no import.
 _EXPORTER = "onnxscript.function_libs.torch_lib.ops"
 
+#: What both the trace (torch's symbolic shapes) and the exporter (onnx, onnx_ir) import: a
+#: third of a second of CPU a child would spend again.
+_SHARED = ("numpy", "sympy")
+
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)
 _CALLABLE_MODULES = ("_operator", "math")  # targets besides ATen's (`operator.getitem`)
 
@@ -68,7 +78,7 @@ class _Ref:
 
 @dataclass(frozen=True)
 class _Fake:
-    """A fake tensor as its metadata: the child makes it again in its own fake mode."""
+    """A fake tensor as its metadata (`decode` makes it again)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -220,22 +230,29 @@ def encode(gm: torch.fx.GraphModule) -> Encoded:
     return Encoded(nodes, constants)
 
 
-def decode(encoded: Encoded) -> torch.fx.GraphModule:
-    """The graph `encode` was given, its values fake tensors of a new fake mode."""
+def decode(encoded: Encoded, fake: bool) -> torch.fx.GraphModule:
+    """The graph `encode` was given, its values fake tensors of a new fake mode (`fake`), or
+    tensors on the meta device: the same shapes, strides and dtypes, all the translator
+    reads of a graph whose types were promoted, and no fake mode (whose first use imports
+    torch._dynamo, a second of the child's time)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
 
-    def fake(value: Any) -> Any:
+    def value_of(value: Any) -> Any:
         if isinstance(value, _Fake):
             extent = 1 + sum(
                 (size - 1) * step for size, step in zip(value.shape, value.stride, strict=True)
             )
             with mode:
-                base = torch.empty(value.offset + max(extent, 0), dtype=value.dtype)
+                base = torch.empty(
+                    value.offset + max(extent, 0),
+                    dtype=value.dtype,
+                    device="cpu" if fake else "meta",
+                )
                 return base.as_strided(value.shape, value.stride, value.offset)
         if isinstance(value, list | tuple):
-            items = [fake(item) for item in value]
+            items = [value_of(item) for item in value]
             return items if isinstance(value, list) else tuple(items)
         return value
 
@@ -269,7 +286,7 @@ def decode(encoded: Encoded) -> torch.fx.GraphModule:
         if spec.op == "get_attr":
             node.meta["val"] = encoded.constants[spec.target]
         elif spec.op != "output":
-            node.meta["val"] = fake(spec.val)
+            node.meta["val"] = value_of(spec.val)
     return torch.fx.GraphModule(root, graph)
 
 
@@ -300,9 +317,8 @@ def _found(names: list[tuple[str, ...]]) -> list[Any]:
 
 
 def _warm_up() -> None:
-    """Lower a one-node graph while the parent traces: the first fake tensors, type promotion
-    pass, translation and serialisation of a process cost about as much as the lowering of
-    a transformer layer's two graphs that follows."""
+    """Lower a one-node graph while the parent traces: a process's first translation and
+    serialisation cost more than a small graph's own."""
     from ort_autopatch.engine.plain import program
 
     x = _Fake((2,), (1,), 0, torch.float32)
@@ -311,7 +327,7 @@ def _warm_up() -> None:
         _Node("call_function", "mul", ("op", "aten", "mul", "Tensor"), (_Ref("x"),) * 2, {}, x, {}),
         _Node("output", "output", "output", ((_Ref("mul"),),), {}, None, {}),
     ]
-    program.lower_graphs(decode(Encoded(nodes, {})), None, "warm-up")
+    program.lower_graphs(decode(Encoded(nodes, {}), fake=False), None, "warm-up", promoted=True)
 
 
 def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
@@ -327,7 +343,18 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
     send(_implemented_names())
     _warm_up()
     cls, forward, backward = receive()
-    send(program.lower_graphs(decode(forward), None if backward is None else decode(backward), cls))
+    graphs = [None if graph is None else decode(graph, fake=False) for graph in (forward, backward)]
+    assert graphs[0] is not None
+    send(program.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
+
+
+def _core_to_spare() -> bool:
+    """Whether a core of this process's is idle enough for a child to help: the 1-minute load
+    average (this process counts 1) leaves at least half a core free. On a busy machine the
+    child's extra CPU (its imports, the fork, encoding) delays both processes more than the
+    overlap gains (measured on 2 shared cores at load 7: 11.6 s against 10.5 s)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cpus is not None and cpus >= 2 and os.getloadavg()[0] < cpus - 0.5
 
 
 class Lowerer:
@@ -339,9 +366,14 @@ class Lowerer:
 
     @classmethod
     def start(cls) -> Lowerer | None:
-        """A child importing the exporter now; None where forking is unavailable, or where
-        this process has imported the exporter already (lowering here costs no import)."""
-        return None if _EXPORTER in sys.modules else cls.spawn()
+        """A child importing the exporter now; None where forking is unavailable, where this
+        process has imported the exporter already (lowering here costs no import), or where
+        no core is free for the child (`_core_to_spare`)."""
+        if _EXPORTER in sys.modules or not _core_to_spare():
+            return None
+        for name in _SHARED:  # once, before the fork, rather than once on each side
+            importlib.import_module(name)
+        return cls.spawn()
 
     @classmethod
     def spawn(cls) -> Lowerer | None:
@@ -370,12 +402,27 @@ class Lowerer:
     def lower(
         self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, cls: str
     ) -> Graphs | None:
-        """Both graphs lowered by the child, or None: lower them here."""
+        """Both graphs lowered by the child, or None: lower them here.
+
+        Types are promoted here, on copies rebuilt from the encoding (the pass runs the graph
+        on fake tensors, which the child would have to import torch._dynamo for): the graphs
+        given stay as they were, for lowering here after all."""
+        from ort_autopatch.engine.plain import lowering
+
         try:
-            request = (cls, encode(forward), None if backward is None else encode(backward))
+            promoted = []
+            for graph in (forward, backward):
+                if graph is not None:
+                    copy = decode(encode(graph), fake=True)
+                    lowering.promote_types(copy)
+                    promoted.append(encode(copy))
         except Unsupported as exc:
             log.debug("%s: lowered in this process: the graph has %s", cls, exc)
             return None
+        except Exception as exc:  # lowering here says what the exporter makes of it
+            log.debug("%s: lowered in this process: type promotion failed (%s)", cls, exc)
+            return None
+        request = (cls, promoted[0], promoted[1] if backward is not None else None)
         try:
             if self._names is None:
                 self._names = self._receive()  # the child's first answer, not read yet

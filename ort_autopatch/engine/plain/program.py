@@ -200,20 +200,24 @@ class Graphs:
 
 
 def lower_graphs(
-    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, cls: str
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule | None,
+    cls: str,
+    promoted: bool = False,
 ) -> Graphs:
-    """Both graphs to ONNX (their outputs rewritten to what ONNX can carry)."""
+    """Both graphs to ONNX (their outputs rewritten to what ONNX can carry); `promoted`:
+    their types were promoted already (`lowering.promote_types`)."""
     import onnx
 
     from ort_autopatch.engine import verify
 
     forward_outputs = _outputs_for_onnx(forward)
-    forward_model = lowering.to_onnx(forward, cls, "forward")
+    forward_model = lowering.to_onnx(forward, cls, "forward", promoted)
     backward_model = None
     backward_outputs: list[tuple[str, int]] = []
     if backward is not None:
         backward_outputs = _outputs_for_onnx(backward)
-        backward_model = lowering.to_onnx(backward, cls, "backward")
+        backward_model = lowering.to_onnx(backward, cls, "backward", promoted)
     return Graphs(
         forward=forward_model,
         backward=backward_model,

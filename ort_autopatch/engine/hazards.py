@@ -281,7 +281,8 @@ def _benign(caller: Any, name: str) -> bool:
     return name == "__index__" and caller.f_code.co_code[caller.f_lasti] in _SUBSCRIPTS
 
 
-_CONVERSIONS = {
+#: the conversions of tensor data to Python values -> how a hazard names them
+CONVERSIONS = {
     "__bool__": "Python bool from a tensor (a branch taken for this call)",
     "__int__": "Python int from a tensor",
     "__index__": "Python int from a tensor (range, indexing)",
@@ -302,13 +303,13 @@ _SHAPE_USES: list[tuple[Any, str, str, Callable[..., bool]]] = [
 
 
 def _install() -> None:
-    for name in _CONVERSIONS:
+    for name in CONVERSIONS:
         _originals[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name) or getattr(
             torch.Tensor, name
         )
     for owner, name, _, _ in _SHAPE_USES:
         _originals[(owner, name)] = getattr(owner, name)
-    for name, what in _CONVERSIONS.items():
+    for name, what in CONVERSIONS.items():
         setattr(torch.Tensor, name, _conversion(name, what))
     for owner, name, what, applies in _SHAPE_USES:
         setattr(owner, name, _shape_use(owner, name, what, applies))

@@ -26,16 +26,6 @@ from ort_autopatch.engine.hazards import Hazard
 
 _TORCH_NN = os.path.join(os.path.dirname(torch.__file__), "nn") + os.sep
 
-#: the conversions torch's data-dependent error is raised from -> how a hazard names them
-_READS = {
-    "__bool__": "Python bool from a tensor (a branch taken for this call)",
-    "__int__": "Python int from a tensor",
-    "__index__": "Python int from a tensor (range, indexing)",
-    "__float__": "Python float from a tensor",
-    "item": "tensor.item()",
-    "tolist": "tensor.tolist()",
-}
-
 
 Frames = list[tuple[str, int]]  # (file, line), outermost first
 
@@ -130,7 +120,7 @@ def value_hazard(exc: BaseException) -> Hazard | None:
         names.append(tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
     what = next(
-        (_READS[name] for name in reversed(names) if name in _READS),
+        (hazards.CONVERSIONS[name] for name in reversed(names) if name in hazards.CONVERSIONS),
         "Python value from tensor data",
     )
     return Hazard(hazards.VALUE, what, _location(frames))

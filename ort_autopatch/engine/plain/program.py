@@ -407,10 +407,7 @@ class PlainTrainingCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         user, outputs, before = _forward(program, feeds)
-        user = _user_only(program, user)
-        ctx.program = program
-        ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
-        ctx.set_materialize_grads(False)
+        user = _returned(ctx, program, user)
         saved = []
         for kind, k in program.lowered.backward_inputs:
             if kind == "out":
@@ -424,9 +421,6 @@ class PlainTrainingCall(torch.autograd.Function):
             *[feeds[k] for k in program.lowered.viewed_feeds],
             *[user[program.tangent_position[k]] for k in program.lowered.viewed_outputs],
         )
-        for out in user:
-            if not out.is_floating_point():
-                ctx.mark_non_differentiable(out)
         return tuple(user)
 
     @staticmethod
@@ -435,11 +429,19 @@ class PlainTrainingCall(torch.autograd.Function):
         return (None, *_backward(ctx, saved, grad_outputs))
 
 
-def _user_only(program: Program, user: list[Any]) -> list[Any]:
-    """The user outputs the Function returns: aliases of feeds are returned by `Program.run`
-    outside it."""
+def _returned(ctx: Any, program: Program, user: list[Any]) -> list[Any]:
+    """The user outputs a training Function returns, its context told about them: aliases of
+    feeds are returned by `Program.run` outside it, and an integer output has no gradient."""
     aliases = program.lowered.aliases
-    return [out for k, out in enumerate(user) if k not in aliases] if aliases else user
+    if aliases:
+        user = [out for k, out in enumerate(user) if k not in aliases]
+    ctx.program = program
+    ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
+    ctx.set_materialize_grads(False)
+    for out in user:
+        if not out.is_floating_point():
+            ctx.mark_non_differentiable(out)
+    return user
 
 
 def _backward(
@@ -476,16 +478,11 @@ class PlainRecomputingCall(torch.autograd.Function):
     def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         seed = rng.next_seed() if program.forward.draws else None
         user, _, before = _forward(program, feeds, seed, program.mutated)
-        user = _user_only(program, user)
-        ctx.program, ctx.seed = program, seed
-        ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
-        ctx.set_materialize_grads(False)
+        user = _returned(ctx, program, user)
+        ctx.seed = seed
         # after the buffer updates bumped their versions: a later in-place write to a feed
         # raises in backward, as eager's saved tensors do
         ctx.save_for_backward(*[before.get(k, feed) for k, feed in enumerate(feeds)])
-        for out in user:
-            if not out.is_floating_point():
-                ctx.mark_non_differentiable(out)
         return tuple(user)
 
     @staticmethod

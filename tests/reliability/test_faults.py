@@ -186,12 +186,12 @@ def agent_faults(monkeypatch: pytest.MonkeyPatch) -> type[_AgentProxy]:
 
         real_run = program._Session.run
 
-        def run(self: Any, cls: str, phase: str, values: Any, kept: Any) -> list[Any]:
+        def run(self: Any, cls: str, phase: str, *args: Any, **kwargs: Any) -> list[Any]:
             fault = _AgentProxy.fail_forward if phase == "forward" else _AgentProxy.fail_backward
             if fault is not None:
                 self = copy.copy(self)
                 self.session = _FailingSession(fault)
-            return real_run(self, cls, phase, values, kept)
+            return real_run(self, cls, phase, *args, **kwargs)
 
         monkeypatch.setattr(program._Session, "run", run)
         return _AgentProxy
@@ -227,10 +227,10 @@ def test_gradient_builder_failing_falls_back_with_eager_state(
 
         real = lowering.to_onnx
 
-        def to_onnx(gm: Any, cls: str, what: str) -> bytes:
+        def to_onnx(gm: Any, cls: str, what: str, *args: Any, **kwargs: Any) -> bytes:
             if what == "backward":
                 raise lowering.ExportError(cls, "injected: backward graph failed", "none")
-            return real(gm, cls, what)
+            return real(gm, cls, what, *args, **kwargs)
 
         monkeypatch.setattr(lowering, "to_onnx", to_onnx)
     else:

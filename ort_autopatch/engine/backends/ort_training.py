@@ -91,7 +91,12 @@ class TrainingPayload:
 
 
 class _Training:
-    """A training program: forward and backward through the agent, tied into autograd."""
+    """A training program: forward and backward through the agent, tied into autograd.
+
+    Built while the ATen executor was still compiling (`upgrade`), it runs ORT's or Python's
+    gradient nodes until the compiler is done, then makes its session again with the executor
+    at the start of a call (the graph is not exported or differentiated again); a call still
+    between its forward and backward finishes on the graph it started with."""
 
     def __init__(
         self,
@@ -100,15 +105,65 @@ class _Training:
         kept: bridge.KeptValues,
         torch_nodes: dict[str, int],
         saved_graphs: dict[str, bytes],
+        upgrade: _Upgrade | None = None,
     ) -> None:
         self.program = program
         self.feed_names: Sequence[str] = program.feed_names
         self.torch_nodes = torch_nodes
         self.saved_graphs = saved_graphs
         self.graph = bridge.TrainingGraph(program, step, kept)
+        self._upgrade = upgrade
 
     def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
+        if self._upgrade is not None and self._upgrade.due():
+            self._take_upgrade()
         return bridge.train(self.graph, feeds, recompute)
+
+    def _take_upgrade(self) -> None:
+        upgrade, self._upgrade = self._upgrade, None  # one try, by whichever thread comes
+        assert upgrade is not None
+        made = upgrade.make()
+        if made is None:
+            return
+        program, model = made
+        if list(program.feed_names) != list(self.feed_names):  # the entry's feeds follow these
+            log.debug("%s: the executor's graph takes other feeds; kept ORT's", upgrade.cls)
+            return
+        self.program = program
+        kept = _kept(upgrade.recipe, program.feed_names)
+        self.graph = bridge.TrainingGraph(program, self.graph.step, kept)
+        self.torch_nodes = nodes.Inventory.of(graph.load(model)).counts
+        self.saved_graphs = {"gradient": model}
+        log.info("%s: the ATen executor is ready; its gradient nodes now call torch", upgrade.cls)
+
+
+@dataclass
+class _Upgrade:
+    """How a training program built while the executor compiled makes its session again."""
+
+    cls: str
+    recipe: Recipe
+    make_graph: Any  # () -> the gradient graph with the executor's nodes, or None
+    device: torch.device
+    settings: session.SessionSettings
+
+    @staticmethod
+    def due() -> bool:
+        from ort_autopatch.engine.torch_in_graph import aten_executor
+
+        return aten_executor.compiled()
+
+    def make(self) -> tuple[session.TrainingProgram, bytes] | None:
+        """The new session and the graph it runs; None when nothing is better than before."""
+        try:
+            swapped = self.make_graph()
+            if swapped is None:
+                return None
+            program = session.build_training(swapped, self.device, self.settings, self.cls)
+        except Exception as exc:  # whatever fails, the program it had goes on
+            log.debug("%s: no graph with the ATen executor (%s)", self.cls, exc)
+            return None
+        return program, swapped.model
 
 
 class _Inference:
@@ -417,7 +472,8 @@ class TrainingBuild(Backend):
         device, cls = miss.device, self.module_class
         capture = self.options.cache_dir is not None and payload.optimized is None
         if payload.gradient is not None:
-            swapped = self._for_device(recipe, payload.gradient, miss, progress)
+            shapes = _input_shapes(recipe, miss.call)
+            swapped, compiling = self._for_device(payload.gradient, shapes, miss.device, progress)
             program = None
             if swapped is not None:
                 # ORT's optimised graph would name this process's callables: never stored
@@ -426,7 +482,7 @@ class TrainingBuild(Backend):
                 except SessionError as exc:
                     # ORT's own shape inference disagrees with the swapped nodes: its kernels
                     log.debug("%s: gradient nodes stay ORT's (%s)", cls, exc)
-                    swapped = None
+                    swapped, compiling = None, False
             if program is None:
                 program = session.build_training(
                     payload.gradient, device, settings, cls, payload.optimized, capture
@@ -437,7 +493,16 @@ class TrainingBuild(Backend):
                 counts = nodes.Inventory.of(graph.load(swapped.model)).counts
             ran = swapped or payload.gradient
             kept = _kept(recipe, program.feed_names)
-            return _Training(program, step, kept, counts, {"gradient": ran.model})
+            upgrade = None
+            if compiling:
+                gradient = payload.gradient
+
+                def with_executor() -> session.GradientGraph | None:
+                    made, still = self._for_device(gradient, shapes, device, _Quiet())
+                    return None if made is None or still else made
+
+                upgrade = _Upgrade(cls, recipe, with_executor, device, settings)
+            return _Training(program, step, kept, counts, {"gradient": ran.model}, upgrade)
         inference = session.build_inference(
             payload.optimized or recipe.forward_model,
             device,
@@ -451,32 +516,53 @@ class TrainingBuild(Backend):
         return _Inference(inference, step, kept, recipe.torch_nodes)
 
     def _for_device(
-        self, recipe: Recipe, gradient: session.GradientGraph, miss: Miss, progress: Progress
-    ) -> session.GradientGraph | None:
-        """The gradient graph as this device's session would rather run it, or None for the
-        recipe's own: on CPU, ORT's slow gradient kernels become torch-calling nodes
+        self,
+        gradient: session.GradientGraph,
+        shapes: dict[str, tuple[int, ...]],
+        device: torch.device,
+        progress: Progress,
+    ) -> tuple[session.GradientGraph | None, bool]:
+        """The gradient graph as this device's session would rather run it (None for the
+        recipe's own), and whether the ATen executor it asked for was still compiling: on
+        CPU, ORT's slow gradient kernels become torch-calling nodes
         (`torch_in_graph.gradients`). Done here, not in the recipe, so the persistent cache keeps
         a graph that names no process's callables and asks for no compiled executor."""
-        if miss.device.type != "cpu":
-            return None
+        if device.type != "cpu":
+            return None, False
         from ort_autopatch.engine.torch_in_graph import aten_executor, gradients
 
-        shapes = {
-            name: tuple(miss.call.tensors[where].shape)
-            for name, (kind, where) in recipe.feed_sources.items()
-            if kind == "input"
-        }
+        compiling = False
 
         def aten() -> bool:
+            nonlocal compiling
             folder = aten_executor.default_folder() if self.options.compile_executor else None
             progress.phase = "loading the ATen executor"
             try:
-                return aten_executor.executor(folder) is None
+                reason = aten_executor.executor(folder)
             finally:
                 progress.phase = "session"
+            compiling = reason == aten_executor.COMPILING
+            return reason is None
 
         model = gradients.gradients_in_torch(gradient.model, shapes, self.may_route, aten)
-        return None if model is gradient.model else dataclasses.replace(gradient, model=model)
+        swapped = None if model is gradient.model else dataclasses.replace(gradient, model=model)
+        return swapped, compiling
+
+
+class _Quiet:
+    """A build's progress that nobody watches (a session made again at a later call)."""
+
+    phase = ""
+
+
+def _input_shapes(recipe: Recipe, call: FlatCall) -> dict[str, tuple[int, ...]]:
+    """The shapes of the call's inputs by graph input name (what the gradient-node swap
+    weighs)."""
+    return {
+        name: tuple(call.tensors[where].shape)
+        for name, (kind, where) in recipe.feed_sources.items()
+        if kind == "input"
+    }
 
 
 #: dtypes ORT 1.19.2 has too few gradient kernels for (session._refuse_dtypes reads graphs).

@@ -11,9 +11,11 @@ The executor is compiled with the machine's C++ compiler against the torch in th
 interpreter (about 15 s, once) and cached by the hash of its source, torch's version and the
 compiler. A training step never waits for it: the first graph that wants it starts the build in
 the background (`aten_build`) and runs the slower path (ORT's kernels, or Python nodes for the
-largest), and graphs built once the library exists use it. `python -m ort_autopatch --check` and
-`build()` compile it in the foreground. Without a compiler, or with no folder (the engine's
-`compile_executor=False`), `executor()` says why and the gradient nodes go through Python.
+largest); once the compiler is done (`compiled()`), graphs built while it ran take it up at
+their next call (`backends.ort_training`) and later graphs use it from the start. `python -m
+ort_autopatch --check` and `build()` compile it in the foreground. Without a compiler, or with
+no folder (the engine's `compile_executor=False`), `executor()` says why and the gradient nodes
+go through Python.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,18 @@ _failure: str | None = None  # why the executor is unavailable in this process
 _library: Any = None  # keeps the loaded library referenced
 _announced = False  # this process said that the executor is compiling (once)
 _plans: dict[Path, tuple[list[str], Path]] = {}  # folder -> (compiler line, library)
+_watching = False  # a thread waits for the background compiler (this process's or another's)
+#: set once a compiler run this process waited for has ended (well or not): `compiled()`
+_done = threading.Event()
+
+#: `executor()`'s answer while the library is being compiled: a later call may find it
+COMPILING = "the ATen executor is compiling in the background"
+
+
+def compiled() -> bool:
+    """Whether a background compile this process answered `COMPILING` for has ended since (a
+    flag, cheap enough for a training call to ask); `executor()` then says what it left."""
+    return _done.is_set()
 
 
 def default_folder() -> Path:
@@ -118,18 +132,37 @@ def _in_background(command: list[str], target: Path) -> str:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        # reaped by a daemon thread: nothing waits for the compiler when the process exits
-        threading.Thread(target=builder.wait, name="ort_autopatch-aten-build", daemon=True).start()
+        _watch(builder.wait)  # reaps it, too
+    elif not _watching:  # another process compiles: its lock is free once its compiler is done
+        _watch(lambda: _lock_released(target))
     if not _announced:
         _announced = True
         log.info(
             "the ATen executor for torch %s is compiling in the background (once per torch "
             "install, ~15 s): until it is ready, gradient nodes run through ORT's kernels or "
-            "Python, and graphs built after that use it (%s)",
+            "Python, and graphs take it up once it is ready (%s)",
             torch.__version__,
             target,
         )
-    return "the ATen executor is compiling in the background"
+    return COMPILING
+
+
+def _watch(wait: Callable[[], object]) -> None:
+    """Set `_done` once `wait()` returns, from a daemon thread (nothing waits for the compiler
+    when the process exits)."""
+    global _watching
+    _watching = True
+
+    def watch() -> None:
+        wait()
+        _done.set()
+
+    threading.Thread(target=watch, name="ort_autopatch-aten-build", daemon=True).start()
+
+
+def _lock_released(target: Path) -> None:
+    with aten_build.exclusive(aten_build.lock_path(target), wait=True):
+        pass
 
 
 def _address(function: Any) -> int:

@@ -163,6 +163,24 @@ def test_pooling_gradients_equal_eagers(pool: nn.Module) -> None:
     _train_like_eager(model, lambda: (torch.randn(2, 2, 8, 8),))
 
 
+class _ChannelsLastPool(nn.Module):
+    """A channels-last activation (a Linear over NHWC, permuted: convnext's and swin_t's last
+    stage) pooled to 1x1, then to 2x2."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 5)
+        self.pool = nn.AdaptiveAvgPool2d(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.linear(x).permute(0, 3, 1, 2)).flatten(1)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_adaptive_pooling_of_a_channels_last_activation_trains_like_eager(size: int) -> None:
+    _train_like_eager(_ChannelsLastPool(size), lambda: (torch.randn(2, 4, 4, 3),))
+
+
 def _operators(model: bytes) -> set[str]:
     import onnx
 

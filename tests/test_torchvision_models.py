@@ -214,9 +214,6 @@ def _nudged(model: nn.Module, seed: int) -> nn.Module:
 #: what the plain backend still owes (issue 23), each failing today for the reason named;
 #: strict, so a model that starts to pass is noticed and taken off this list
 PLAIN_OWES = {
-    "convnext_tiny": "AdaptiveAvgPool2d(1) over a channels-last input re-strides its result "
-    "(as_strided_), whose gradient is prims.as_strided_scatter, which ONNX cannot express",
-    "swin_t": "the same channels-last AdaptiveAvgPool2d(1): prims.as_strided_scatter",
     "regnet_y_400mf": "the first-call check refuses a later graph: BatchNorm over 4 images "
     "amplifies rounding past the check's tolerance (1.1 % on a gradient; eager moves 8 % "
     "between 1 and 2 threads)",

@@ -27,6 +27,7 @@ import torch
 
 from ort_autopatch.engine import budget, export, tracing
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
+from ort_autopatch.engine.plain import decompositions as plain_decompositions
 from ort_autopatch.engine.plain import draws
 
 
@@ -305,7 +306,11 @@ def capture(
             if not any(map(is_fake, tensors)):  # a symbolic trace's are
                 # the trace's first run of forward, in its context: its reads are guards
                 budget.count_run(lambda: flat(*tensors))
-            with budget.enforced_fx(), draws.decided() as decisions:
+            with (
+                budget.enforced_fx(),
+                draws.decided() as decisions,
+                plain_decompositions.before_autograd(decompositions),
+            ):
                 joint = aot_export_joint_with_descriptors(
                     stack, flat, tuple(tensors), decompositions=decompositions
                 )

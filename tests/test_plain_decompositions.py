@@ -139,9 +139,11 @@ def test_adaptive_avg_pool2d_equals_atens_with_its_gradient(
 
 def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> None:
     """ATen's composite kernel re-strides a channels-last 1x1 result in place, and its
-    gradient is a scatter ONNX cannot express; under `before_autograd` the trace has
-    neither, and the composite kernel is ATen's again afterwards."""
+    gradient is a scatter ONNX cannot express; with the table's entry in its place (as the
+    capture puts it) the trace has neither, and the kernel is ATen's again afterwards."""
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.plain import capture
 
     op = aten.adaptive_avg_pool2d.default
     key = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -157,7 +159,7 @@ def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> 
             return str(make_fx(gradient)(x).code)
 
     assert "as_strided" in traced()  # ATen's own: what the entry is for
-    with decompositions.before_autograd(decompositions.table()):
+    with capture.composites_replaced(decompositions.table()):
         code = traced()
     assert "as_strided" not in code and "mean" in code
     assert key not in op.py_kernels

@@ -36,11 +36,10 @@ backend (matmuls and a softmax) instead of the fused CPU kernel, whose backward 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -486,35 +485,13 @@ OURS: dict[Any, Callable[..., Any]] = {
 
 #: composite operators of the table: their ATen kernel (CompositeImplicitAutograd) runs above
 #: autograd and calls other operators, so a trace never hands the operator itself to a
-#: decomposition table; `before_autograd` puts these in its place while a trace runs.
+#: decomposition table; each entry is marked (`before_autograd`), and the capture puts it in
+#: the ATen kernel's place while aot traces (`capture.composites_replaced`).
 BEFORE_AUTOGRAD: dict[Any, Callable[..., Any]] = {
     aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
 }
-
-
-@contextlib.contextmanager
-def before_autograd(decompositions: Mapping[Any, Callable[..., Any]]) -> Iterator[None]:
-    """The table's entries for `BEFORE_AUTOGRAD`'s operators as their Python composite kernels
-    (as torch registers its own, `py_impl(CompositeImplicitAutograd)`): aot_autograd traces
-    under the Python dispatcher, which takes them in place of ATen's, and autograd then
-    differentiates what they call. Process-wide while it lasts, but only where the Python
-    dispatcher is on (a trace; torch.compile in another thread would trace the same values);
-    callers hold `export.EXPORT_LOCK`. Put back exactly as found."""
-    key = torch._C.DispatchKey.CompositeImplicitAutograd
-    replaced = [(op, decompositions[op]) for op in BEFORE_AUTOGRAD if op in decompositions]
-    before = [(op, op.py_kernels.get(key)) for op, _ in replaced]
-    try:
-        for op, kernel in replaced:
-            op.py_kernels[key] = kernel
-            op._dispatch_cache.clear()
-        yield
-    finally:
-        for op, kernel in before:
-            if kernel is None:
-                op.py_kernels.pop(key, None)
-            else:
-                op.py_kernels[key] = kernel
-            op._dispatch_cache.clear()
+for _function in BEFORE_AUTOGRAD.values():
+    _function.before_autograd = True  # type: ignore[attr-defined]
 
 
 @functools.cache

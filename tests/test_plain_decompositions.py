@@ -117,6 +117,55 @@ def test_adaptive_avg_pool2d_backward_refuses_uneven_sizes() -> None:
         decompositions.adaptive_avg_pool2d_backward(g, x)
 
 
+@pytest.mark.parametrize("out", [(1, 1), 1, (2, 3), (4, 6)])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_adaptive_avg_pool2d_equals_atens_with_its_gradient(
+    out: int | tuple[int, int], layout: torch.memory_format
+) -> None:
+    size = [out, out] if isinstance(out, int) else list(out)
+    torch.manual_seed(0)
+    base = torch.randn(2, 3, 8, 12, dtype=torch.float64).contiguous(memory_format=layout)
+    x, y = base.clone().requires_grad_(), base.clone().requires_grad_()
+    expected = aten.adaptive_avg_pool2d(x, size)
+    got = decompositions.adaptive_avg_pool2d(y, size)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    g = torch.randn_like(expected)
+    expected.backward(g)
+    got.backward(g)
+    assert x.grad is not None and y.grad is not None
+    torch.testing.assert_close(y.grad, x.grad, rtol=0, atol=0)
+
+
+def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> None:
+    """ATen's composite kernel re-strides a channels-last 1x1 result in place, and its
+    gradient is a scatter ONNX cannot express; with the table's entry in its place (as the
+    capture puts it) the trace has neither, and the kernel is ATen's again afterwards."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.plain import capture
+
+    op = aten.adaptive_avg_pool2d.default
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    x = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+
+    def gradient(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(op(t, [1, 1]).sum(), t)
+        return grad
+
+    def traced() -> str:
+        with torch._dispatch.python.enable_python_dispatcher():
+            return str(make_fx(gradient)(x).code)
+
+    assert "as_strided" in traced()  # ATen's own: what the entry is for
+    with capture.composites_replaced(decompositions.table()):
+        code = traced()
+    assert "as_strided" not in code and "mean" in code
+    assert key not in op.py_kernels
+    assert "as_strided" in traced()
+
+
 @pytest.mark.parametrize(("dim", "index"), [(0, 0), (1, 2), (-1, -1), (2, 1)])
 def test_select_backward_equals_atens(dim: int, index: int) -> None:
     sizes = [3, 4, 5]

@@ -28,7 +28,6 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
@@ -38,7 +37,6 @@ import ort_autopatch
 from ort_autopatch import patcher, report
 from ort_autopatch.config import Config
 from ort_autopatch.engine import export
-from tests.helpers import plain_backend
 from tests.zoo.harness import relative
 
 torchvision = pytest.importorskip("torchvision")
@@ -211,33 +209,7 @@ def _nudged(model: nn.Module, seed: int) -> nn.Module:
     return nudged
 
 
-#: what the plain backend still owes (issue 23), each failing today for the reason named;
-#: strict, so a model that starts to pass is noticed and taken off this list
-PLAIN_OWES = {
-    "convnext_tiny": "AdaptiveAvgPool2d(1) over a channels-last input re-strides its result "
-    "(as_strided_), whose gradient is prims.as_strided_scatter, which ONNX cannot express",
-    "swin_t": "the same channels-last AdaptiveAvgPool2d(1): prims.as_strided_scatter",
-    "regnet_y_400mf": "the first-call check refuses a later graph: BatchNorm over 4 images "
-    "amplifies rounding past the check's tolerance (1.1 % on a gradient; eager moves 8 % "
-    "between 1 and 2 threads)",
-}
-
-
-def _params() -> list[Any]:
-    return [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                plain_backend() and name in PLAIN_OWES,
-                reason=PLAIN_OWES.get(name, ""),
-                strict=True,
-            ),
-        )
-        for name in MODELS
-    ]
-
-
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", list(MODELS))
 def test_model_trains_and_evaluates_in_ort_like_eager(name: str) -> None:
     build, side = MODELS[name]
     report.reset()

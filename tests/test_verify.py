@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx
 import pytest
 import torch
@@ -57,6 +59,90 @@ def test_calls_within_tolerance_verify_with_their_differences() -> None:
     )
     assert result.mismatch is None
     assert 0 < result.output_rel < verify.RTOL and 0 < result.grad_rel < verify.RTOL
+    assert result.spread_rel is None  # within the strict tolerance: eager runs once
+
+
+class _Sensitive(torch.nn.Module):
+    """sin(1e4 * w * x): a relative change of one rounding step in x or w moves the output
+    by about 1e-2, as BatchNorm over few values amplifies rounding in a deep network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * self.w * 1e4)
+
+
+def _verify_sensitive(
+    graph: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+) -> tuple[verify.Verification, torch.nn.Module]:
+    torch.manual_seed(0)
+    module = _Sensitive()
+    x = torch.rand(4, 16) + 0.5
+    result = verify.verify_call(
+        "Sensitive",
+        module,
+        lambda tensors: graph(module, tensors[0]),
+        lambda tensors: module(tensors[0]),
+        [x],
+        list(module.parameters()),
+        True,
+    )
+    return result, module
+
+
+def _in_float64(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The same function with other rounding: what another runtime's kernels do."""
+    assert isinstance(module, _Sensitive)
+    return torch.sin(x.double() * module.w.double() * 1e4).float()
+
+
+def test_a_call_as_sensitive_to_rounding_as_eager_itself_matches_within_its_spread() -> None:
+    result, _ = _verify_sensitive(_in_float64)
+    assert result.mismatch is None
+    # beyond the strict tolerance, so eager's own spread was measured: larger than the graph's
+    assert result.output_rel > verify.RTOL and result.grad_rel > verify.RTOL
+    assert result.spread_rel is not None and result.spread_rel > verify.RTOL
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda m, x: _in_float64(m, x) * 1.5,
+        lambda m, x: torch.cos(x * m.w * 1e4),
+        lambda m, x: torch.sin(x.detach() * m.w.detach() * 1e4) + 0 * m.w,  # no gradient
+    ],
+    ids=["scaled", "another function", "gradient lost"],
+)
+def test_a_wrong_graph_is_refused_even_where_eager_is_that_sensitive(
+    wrong: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+) -> None:
+    with pytest.raises(verify.VerificationError, match="eager's own spread") as caught:
+        _verify_sensitive(wrong)
+    verification = caught.value.verification
+    assert verification is not None and verification.spread_rel is not None
+
+
+def test_measuring_eagers_spread_leaves_the_parameters_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    module = _Sensitive()
+    weight, version = module.w.detach().clone(), module.w._version
+    x = torch.rand(4, 16) + 0.5
+    rng = torch.random.get_rng_state()
+    with pytest.raises(verify.VerificationError):
+        verify.verify_call(
+            "Sensitive",
+            module,
+            lambda tensors: module(tensors[0]) * 2,
+            lambda tensors: module(tensors[0]),
+            [x],
+            list(module.parameters()),
+            True,
+        )
+    assert torch.equal(module.w, weight) and module.w._version == version
+    assert module.w.grad is None
+    assert torch.equal(torch.random.get_rng_state(), rng)
 
 
 class _Biased(torch.nn.Module):

@@ -8,6 +8,16 @@ and random stream are exactly as without verification. Outputs and the gradients
 trainable parameter and input are compared; a difference beyond the tolerance is a
 `VerificationError`, which sends that key's calls to PyTorch with the reason.
 
+Some models are more sensitive to rounding than any fixed tolerance allows: BatchNorm over a
+few values amplifies it layer by layer (regnet_y_400mf's gradients differ by 8 % between eager
+on 1 and 2 threads), and no graph, whose kernels round otherwise, can be held closer to eager
+than eager is to itself. So only where the strict comparison fails, eager runs the call again
+from inputs and parameters nudged by about one float32 rounding step (`NUDGE`, twice), and a
+tensor that differs by no more than `SPREAD` times what eager itself moved is eager's own
+sensitivity, not the graph's error. A wrong graph (BatchNorm with training off) differs by the
+size of the values, orders beyond any rounding spread, and is still refused; an ordinary call
+never pays for the measurement.
+
 Graphs with random operators (dropout with p > 0, random fills) draw from ONNX Runtime's
 generator, not PyTorch's: their numbers cannot equal eager's bit for bit, so such calls are
 reported as not verified, with the operators named.
@@ -33,9 +43,15 @@ if TYPE_CHECKING:
     from ort_autopatch.engine.signature import FlatCall
     from ort_autopatch.engine.state import ModuleState
 
-#: A difference is a mismatch beyond max|expected| * RTOL + ATOL, per tensor.
+#: A difference is a mismatch beyond max|expected| * RTOL + ATOL, per tensor...
 RTOL = 1e-4
 ATOL = 1e-6
+#: ...and beyond SPREAD times eager's own largest movement on that tensor from nudged runs
+SPREAD = 4.0
+#: the nudge: inputs and parameters times (1 + NUDGE * N(0, 1)), about one float32 rounding
+#: step; one run per seed (a fixed generator: no RNG of the user's is drawn from)
+NUDGE = 2e-7
+NUDGE_SEEDS = (1, 2)
 
 
 class VerificationError(EngineError):
@@ -56,6 +72,9 @@ class Verification:
     grad_rel: float = 0.0
     mismatch: str | None = None  # what differed beyond tolerance
     unverified: str | None = None
+    #: eager's own largest relative movement under the nudges (outputs, and gradients above
+    #: rounding noise), measured only when the strict comparison failed
+    spread_rel: float | None = None
 
 
 def random_ops(model: Any) -> list[str]:
@@ -182,6 +201,166 @@ def _rounding_zero(gradients: Sequence[torch.Tensor | None]) -> float:
     return largest * RTOL
 
 
+#: one run's float outputs and its gradients (of the trainable tensors, then of the inputs
+#: that require grad)
+_Side = tuple[list[torch.Tensor], list[torch.Tensor | None]]
+
+
+def _side(
+    run: Callable[[list[torch.Tensor]], Any],
+    inputs: Sequence[torch.Tensor],
+    trainable: Sequence[torch.Tensor],
+    grad: bool,
+    saved: _Saved,
+) -> _Side:
+    """One run on copies of `inputs`, with a backward of one fixed cotangent; the saved
+    state restored after it."""
+    copies = _copies(inputs)
+    with torch.enable_grad() if grad else torch.no_grad():
+        output = run(copies)
+    # Buffers are restored after the backward, not before: eager's BatchNorm saves its
+    # running statistics for backward, and restoring them in place before
+    # `autograd.grad` raised autograd's "modified by an inplace operation".
+    if not grad:
+        saved.restore()
+    leaves = _float_leaves(output)
+    gradients: list[torch.Tensor | None] = []
+    if grad:
+        targets = list(trainable) + [t for t in copies if t.requires_grad]
+        differentiable = [t for t in leaves if t.requires_grad]
+        if targets and differentiable:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            cotangents = [
+                torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
+                for t in differentiable
+            ]
+            gradients = list(
+                torch.autograd.grad(differentiable, targets, cotangents, allow_unused=True)
+            )
+        saved.restore()
+    return [t.detach() for t in leaves], gradients
+
+
+def _nudge(tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype).to(tensor.device)
+    return tensor.detach() * (1 + NUDGE * noise)
+
+
+@contextlib.contextmanager
+def _nudged_parameters(module: torch.nn.Module, gen: torch.Generator) -> Iterator[None]:
+    """The module's floating-point parameters nudged in place and put back bit for bit.
+    Through `.data`, whose version counter is its own: a backward the user has pending that
+    saved one of them does not see an in-place change. (Sharded parameters, DTensors, are
+    left as they are: the inputs' nudge still disturbs the call.)"""
+    nudged = [
+        (p, p.detach().clone())
+        for p in module.parameters()
+        if p.is_floating_point() and type(p.detach()) is torch.Tensor
+    ]
+    try:
+        with torch.no_grad():
+            for p, original in nudged:
+                p.data.copy_(_nudge(original, gen))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, original in nudged:
+                p.data.copy_(original)
+
+
+def _spreads(
+    module: torch.nn.Module,
+    run_eager: Callable[[list[torch.Tensor]], Any],
+    inputs: Sequence[torch.Tensor],
+    trainable: Sequence[torch.Tensor],
+    grad: bool,
+    saved: _Saved,
+    eager: _Side,
+) -> tuple[list[float], list[float]] | None:
+    """Eager's own largest movement per output and per gradient: eager run again from
+    nudged inputs and parameters, once per seed, against its plain run `eager`. None when a
+    nudged run fails or gives other outputs (then only the strict comparison counts)."""
+    outputs, gradients = [0.0] * len(eager[0]), [0.0] * len(eager[1])
+    for seed in NUDGE_SEEDS:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        nudged = [
+            _nudge(t, gen).requires_grad_(t.requires_grad) if t.is_floating_point() else t
+            for t in inputs
+        ]
+        try:
+            with _nudged_parameters(module, gen):
+                moved = _side(run_eager, nudged, trainable, grad, saved)
+        except Exception:
+            return None
+        if len(moved[0]) != len(outputs) or len(moved[1]) != len(gradients):
+            return None
+        for spreads, new, old in ((outputs, moved[0], eager[0]), (gradients, moved[1], eager[1])):
+            for k, (a, e) in enumerate(zip(new, old, strict=True)):
+                if a is None or e is None or a.shape != e.shape:
+                    continue
+                spreads[k] = max(spreads[k], float((a.double() - e.double()).abs().max()))
+    return outputs, gradients
+
+
+def _compare(
+    graph: _Side,
+    eager: _Side,
+    spreads: tuple[list[float], list[float]] | None = None,
+) -> Verification:
+    """Outputs and gradients, tensor by tensor; with eager's own `spreads`, a tensor beyond
+    the strict tolerance still matches within SPREAD times its spread."""
+    result = Verification()
+    (graph_out, graph_grads), (eager_out, eager_grads) = graph, eager
+    output_spreads, grad_spreads = spreads or ([], [])
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor, float, float]] = []
+    if len(graph_out) != len(eager_out):
+        result.mismatch = f"{len(graph_out)} outputs, eager has {len(eager_out)}"
+    for k, (a, e) in enumerate(zip(graph_out, eager_out, strict=False)):
+        spread = output_spreads[k] if k < len(output_spreads) else 0.0
+        pairs.append((f"output {k}", a, e, 0.0, spread))
+    zero = _rounding_zero(eager_grads)
+    for k, (ga, ge) in enumerate(zip(graph_grads, eager_grads, strict=False)):
+        if ga is None and ge is None:
+            continue
+        if ga is None:
+            assert ge is not None
+            ga = torch.zeros_like(ge)
+        if ge is None:
+            ge = torch.zeros_like(ga)
+        spread = grad_spreads[k] if k < len(grad_spreads) else 0.0
+        pairs.append((f"gradient {k}", ga, ge, zero, spread))
+    for what, a, e, floor, spread in pairs:
+        diff, rel, beyond = _difference(a, e, floor)
+        if what.startswith("output"):
+            result.output_diff = max(result.output_diff, diff)
+            result.output_rel = max(result.output_rel, rel)
+        else:
+            result.grad_diff = max(result.grad_diff, diff)
+            result.grad_rel = max(result.grad_rel, rel)
+        if not beyond:
+            continue
+        note = ""
+        if spreads is not None:
+            if diff <= SPREAD * spread:
+                continue
+            scale = float(e.detach().abs().max())
+            note = f"; eager's own spread {spread / scale if scale > 0 else spread:.3g}"
+        if result.mismatch is None:
+            result.mismatch = f"{what} differs by {diff:.3g} (relative {rel:.3g}{note})"
+    if spreads is not None:
+        # relative to each tensor's largest value, as the differences; gradients eager
+        # leaves at rounding noise (relative to themselves, noise moves by their size) aside
+        result.spread_rel = max(
+            (
+                spread / scale
+                for _, _, e, floor, spread in pairs
+                if (scale := float(e.detach().abs().max())) > floor and scale > 0
+            ),
+            default=0.0,
+        )
+    return result
+
+
 def verify_call(
     cls: str,
     module: torch.nn.Module,
@@ -194,66 +373,20 @@ def verify_call(
     """Run the call through the graph and eagerly, compare, restore the user's state.
 
     `run_graph(tensors)` and `run_eager(tensors)` take the flat input tensors. No gradient
-    hook of a parameter fires. Raises `VerificationError` on a mismatch (the state is
-    restored first).
+    hook of a parameter fires. Where the strict comparison fails, eager's own spread is
+    measured on the call and the comparison made again within it (see the module's
+    docstring). Raises `VerificationError` on a mismatch (the state is restored first).
     """
-    result = Verification()
     saved = _Saved(module)
     with _hooks_silenced(trainable):
         try:
-            sides = []
-            for run in (run_graph, run_eager):
-                copies = _copies(inputs)
-                with torch.enable_grad() if grad else torch.no_grad():
-                    output = run(copies)
-                # Buffers are restored after the backward, not before: eager's BatchNorm saves its
-                # running statistics for backward, and restoring them in place before
-                # `autograd.grad` raised autograd's "modified by an inplace operation".
-                if not grad:
-                    saved.restore()
-                leaves = _float_leaves(output)
-                gradients: list[torch.Tensor | None] = []
-                if grad:
-                    targets = list(trainable) + [t for t in copies if t.requires_grad]
-                    differentiable = [t for t in leaves if t.requires_grad]
-                    if targets and differentiable:
-                        gen = torch.Generator(device="cpu").manual_seed(0)
-                        cotangents = [
-                            torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
-                            for t in differentiable
-                        ]
-                        gradients = list(
-                            torch.autograd.grad(
-                                differentiable, targets, cotangents, allow_unused=True
-                            )
-                        )
-                    saved.restore()
-                sides.append(([t.detach() for t in leaves], gradients))
-            (graph_out, graph_grads), (eager_out, eager_grads) = sides
-            if len(graph_out) != len(eager_out):
-                result.mismatch = f"{len(graph_out)} outputs, eager has {len(eager_out)}"
-            for k, (a, e) in enumerate(zip(graph_out, eager_out, strict=False)):
-                diff, rel, beyond = _difference(a, e)
-                result.output_diff, result.output_rel = (
-                    max(result.output_diff, diff),
-                    max(result.output_rel, rel),
-                )
-                if beyond and result.mismatch is None:
-                    result.mismatch = f"output {k} differs by {diff:.3g} (relative {rel:.3g})"
-            zero = _rounding_zero(eager_grads)
-            for k, (ga, ge) in enumerate(zip(graph_grads, eager_grads, strict=False)):
-                if ga is None and ge is None:
-                    continue
-                if ga is None:
-                    assert ge is not None
-                    ga = torch.zeros_like(ge)
-                if ge is None:
-                    ge = torch.zeros_like(ga)
-                diff, rel, beyond = _difference(ga, ge, zero)
-                result.grad_diff = max(result.grad_diff, diff)
-                result.grad_rel = max(result.grad_rel, rel)
-                if beyond and result.mismatch is None:
-                    result.mismatch = f"gradient {k} differs by {diff:.3g} (relative {rel:.3g})"
+            graph = _side(run_graph, inputs, trainable, grad, saved)
+            eager = _side(run_eager, inputs, trainable, grad, saved)
+            result = _compare(graph, eager)
+            if result.mismatch is not None:
+                spreads = _spreads(module, run_eager, inputs, trainable, grad, saved, eager)
+                if spreads is not None:
+                    result = _compare(graph, eager, spreads)
         finally:
             saved.restore()
     if result.mismatch is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,6 +262,36 @@ def real_constants_allowed() -> Iterator[None]:
         fake_tensor_tls.allow_non_fake_inputs_override = previous
 
 
+@contextlib.contextmanager
+def composites_replaced(decompositions: Mapping[Any, Callable[..., Any]]) -> Iterator[None]:
+    """The table's entries marked `before_autograd` (composite operators, whose ATen kernel
+    runs above autograd, where no decomposition table is read) as the operators' Python
+    composite kernels, as torch registers its own (`py_impl(CompositeImplicitAutograd)`):
+    aot_autograd traces under the Python dispatcher, which takes them in place of ATen's,
+    and autograd differentiates what they call. Process-wide while it lasts, but read only
+    where the Python dispatcher is on (a trace; torch.compile in another thread meanwhile
+    would trace the same values); callers hold `export.EXPORT_LOCK`. Put back as found."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    replaced = [
+        (op, kernel)
+        for op, kernel in decompositions.items()
+        if getattr(kernel, "before_autograd", False)
+    ]
+    before = [(op, op.py_kernels.get(key)) for op, _ in replaced]
+    try:
+        for op, kernel in replaced:
+            op.py_kernels[key] = kernel
+            op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, kernel in before:
+            if kernel is None:
+                op.py_kernels.pop(key, None)
+            else:
+                op.py_kernels[key] = kernel
+            op._dispatch_cache.clear()
+
+
 def load_tracer() -> None:
     """Import aot_autograd and its partitioner (most of a fresh process's first trace), so
     that a caller can do so while other work (`offload`) runs."""
@@ -305,7 +335,11 @@ def capture(
             if not any(map(is_fake, tensors)):  # a symbolic trace's are
                 # the trace's first run of forward, in its context: its reads are guards
                 budget.count_run(lambda: flat(*tensors))
-            with budget.enforced_fx(), draws.decided() as decisions:
+            with (
+                budget.enforced_fx(),
+                draws.decided() as decisions,
+                composites_replaced(decompositions),
+            ):
                 joint = aot_export_joint_with_descriptors(
                     stack, flat, tuple(tensors), decompositions=decompositions
                 )

@@ -24,6 +24,12 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   convolution with a constant kernel): torch has none either.
 - pooling, normalisation, embedding, dropout and loss backwards: torch's decompositions,
   named so the tests can hold each one to eager.
+- `adaptive_avg_pool2d` (`BEFORE_AUTOGRAD`): ATen's composite kernel, for an output of 1x1
+  over a channels-last input, re-strides the mean it computes in place (`as_strided_`, a
+  change of strides alone: every size-1 layout is both contiguous and channels-last), and
+  autograd differentiates that as any `as_strided`, by scattering into a zero storage
+  (`prims.as_strided_scatter`, which ONNX cannot express: convnext and swin_t failed on it).
+  Ours is the same mean without the re-striding.
 Attention needs no entry: the capture traces `scaled_dot_product_attention` with the math
 backend (matmuls and a softmax) instead of the fused CPU kernel, whose backward has no form.
 """
@@ -229,6 +235,17 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor)
         )
     kernel = [i // o for i, o in zip(size_in, size_out, strict=True)]
     return avg_pool2d_backward(grad_output, input, kernel, kernel, [0, 0], False, True, None)
+
+
+def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """ATen's composite `adaptive_avg_pool2d` without its re-striding: the mean over the
+    spatial dims for an output of 1x1 (ATen's own computation), `_adaptive_avg_pool2d`
+    otherwise (as ATen's kernel calls it). Only the result's strides differ from ATen's
+    ((c, 1, 1, 1) where ATen gives a channels-last input's result (c, 1, c, c): the same
+    tensor to every view and every operator, since its spatial sizes are 1)."""
+    if all(size == 1 for size in output_size):
+        return input.mean([-1, -2], keepdim=True)
+    return aten._adaptive_avg_pool2d(input, output_size)
 
 
 def select_backward(
@@ -466,6 +483,17 @@ OURS: dict[Any, Callable[..., Any]] = {
 }
 
 
+#: composite operators of the table: their ATen kernel (CompositeImplicitAutograd) runs above
+#: autograd and calls other operators, so a trace never hands the operator itself to a
+#: decomposition table; each entry is marked (`before_autograd`), and the capture puts it in
+#: the ATen kernel's place while aot traces (`capture.composites_replaced`).
+BEFORE_AUTOGRAD: dict[Any, Callable[..., Any]] = {
+    aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
+}
+for _function in BEFORE_AUTOGRAD.values():
+    _function.before_autograd = True  # type: ignore[attr-defined]
+
+
 @functools.cache
 def table(implemented: frozenset[Any] | None = None) -> dict[Any, Callable[..., Any]]:
     """The decompositions the capture traces with (built once: it walks torch's tables):
@@ -483,6 +511,7 @@ def table(implemented: frozenset[Any] | None = None) -> dict[Any, Callable[..., 
     )
     found.update(get_decompositions(list(TORCH_DECOMPOSED)))
     found.update(OURS)
+    found.update(BEFORE_AUTOGRAD)
     for op in KEPT:
         found.pop(op, None)
     return found

@@ -154,22 +154,29 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
+#: set in a graph's meta once `promote_types` has run on it (in place)
+PROMOTED = "ort_autopatch_promoted"
+
+
 def promote_types(gm: torch.fx.GraphModule) -> None:
-    """The exporter's type-promotion pass (casts where ATen promotes implicitly), as
-    `to_onnx` runs it: it runs the graph on its fake tensors, so it needs no more of the
-    exporter than this pass (`offload` runs it before sending a graph)."""
+    """The exporter's type-promotion pass (casts where ATen promotes implicitly), in place,
+    as `to_onnx` runs it: it runs the graph on its fake tensors, so it needs no more of the
+    exporter than this pass (`offload` runs it before sending a graph). The graph is marked,
+    so that `to_onnx` does not run it twice."""
     from torch.onnx._internal.fx.passes import type_promotion
 
     from ort_autopatch.engine.plain.capture import real_constants_allowed
 
     with EXPORT_LOCK, real_constants_allowed():  # see `to_onnx`
         type_promotion.InsertTypePromotion(gm).run()
+    gm.meta[PROMOTED] = True
 
 
 def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = False) -> bytes:
     """The ONNX bytes of one graph: its placeholders are the inputs, its outputs (no None,
-    none twice) the outputs, all named after their FX nodes. `promoted`: `promote_types`
-    has run (the graph's values need not be fake tensors then: shapes and dtypes do)."""
+    none twice) the outputs, all named after their FX nodes. `promoted` (or the graph's
+    `PROMOTED` mark): `promote_types` has run (the graph's values need not be fake tensors
+    then: shapes and dtypes do)."""
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
@@ -194,7 +201,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
         # sets a process-wide logger level; real constants pass, as type promotion runs the
         # graph on fakes.
         with EXPORT_LOCK, _quiet(), real_constants_allowed():
-            if not promoted:
+            if not (promoted or gm.meta.get(PROMOTED)):
                 _fx_passes.insert_type_promotion_nodes(gm)
             _core._translate_fx_graph(
                 gm.graph,

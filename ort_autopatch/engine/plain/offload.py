@@ -14,11 +14,12 @@ graphs cross as plain data (`encode`): each node's op, name, target by qualified
 arguments (node references and plain constants), its fake value as shape, strides, dtype and
 storage offset, and the meta the translator copies into the graph (stack trace, module stack
 with classes by name). The exporter's type-promotion pass runs the graph on fake tensors, and
-a process's first fake tensor mode imports torch._dynamo (a second): it runs here, on a copy
-rebuilt from the encoding, and the child rebuilds the promoted graph on meta tensors, which
-carry all the translator reads. Only CPU graphs of exact shapes cross: a node this cannot
-carry (a symbolic size, a CUDA value, an unknown target), a failed type promotion, a child
-that fails, hangs or dies, all mean lowering here, as without the child, with the same result.
+a process's first fake tensor mode imports torch._dynamo (a second): it runs here, on the
+traced graphs in place (as lowering here would run it), and the child rebuilds the promoted
+graph on meta tensors, which carry all the translator reads. Only CPU graphs of exact shapes
+cross: a node this cannot carry (a symbolic size, a CUDA value, an unknown target), a failed
+type promotion, a child that fails, hangs or dies, all mean lowering here, as without the
+child, with the same result.
 
 Fork safety: the child runs no parallel torch kernel (its thread count is set to 1 before any
 torch work: OpenMP's pool does not survive a fork) and touches no CUDA (only CPU graphs are
@@ -405,18 +406,18 @@ class Lowerer:
     ) -> Graphs | None:
         """Both graphs lowered by the child, or None: lower them here.
 
-        Types are promoted here, on copies rebuilt from the encoding (the pass runs the graph
-        on fake tensors, which the child would have to import torch._dynamo for): the graphs
-        given stay as they were, for lowering here after all."""
+        Types are promoted here, in place (the pass runs the graph on fake tensors, which the
+        child would have to import torch._dynamo for), as lowering here would promote them:
+        a graph promoted is marked (`lowering.PROMOTED`), so lowering it here after all does
+        not promote it twice."""
         from ort_autopatch.engine.plain import lowering
 
+        graphs = [graph for graph in (forward, backward) if graph is not None]
         try:
-            promoted = []
-            for graph in (forward, backward):
-                if graph is not None:
-                    copy = decode(encode(graph), fake=True)
-                    lowering.promote_types(copy)
-                    promoted.append(encode(copy))
+            for graph in graphs:
+                if not graph.meta.get(lowering.PROMOTED):
+                    lowering.promote_types(graph)
+            promoted = [encode(graph) for graph in graphs]
         except Unsupported as exc:
             log.debug("%s: lowered in this process: the graph has %s", cls, exc)
             return None

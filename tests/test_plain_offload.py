@@ -122,6 +122,21 @@ def test_the_childs_operator_names_give_the_decomposition_table_of_this_process(
         assert _same(function, here[op]), op
 
 
+def test_the_operators_read_from_torchlibs_sources_give_the_same_table() -> None:
+    """A trace starts from the names read from torchlib's sources, before the child has
+    imported it: for the torchlib installed they decide every decomposition alike."""
+    from ort_autopatch.engine.plain import decompositions, lowering
+
+    read, imported = lowering.read_implemented(), lowering.implemented()
+    assert decompositions.alike(read, imported)
+    there = decompositions.table.__wrapped__(read)
+    here = decompositions.table.__wrapped__(imported)
+    assert set(there) == set(here)
+    for op, function in there.items():
+        assert _same(function, here[op]), op
+    assert not decompositions.alike(frozenset(), imported)  # (the check can fail)
+
+
 def _same(a: Any, b: Any) -> bool:
     """One function, or partials of one (torch makes its CIA decompositions anew per table)."""
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
@@ -206,6 +221,28 @@ def test_a_build_whose_child_fails_lowers_here_with_eagers_numbers(
 
     monkeypatch.setattr(offload, "_warm_up", broken)  # runs in the child only
     assert _first_call(monkeypatch, tmp_path) == [None]
+
+
+@pytest.mark.parametrize("misread", ["layer_norm", "everything"])
+def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, misread: str
+) -> None:
+    """Operators read wrongly from torchlib's sources give another trace once the child has
+    named them, lowered by the child too, with eager's numbers: LayerNorm missed (the first
+    trace decomposed it, and was lowered for nothing), or none read at all (a table that
+    decomposes whatever torch can: the first trace fails, and is made again)."""
+    from ort_autopatch.engine.plain import lowering, offload
+
+    read = lowering.read_implemented()
+    wrong = read - {torch.ops.aten.native_layer_norm.default} if misread == "layer_norm" else set()
+    monkeypatch.setattr(offload, "_implemented", [])  # no earlier child's answer
+    monkeypatch.setattr(lowering, "read_implemented", lambda: frozenset(wrong))
+    answers = _first_call(monkeypatch, tmp_path)
+    assert all(answer is not None for answer in answers), answers
+    if misread == "layer_norm":
+        assert len(answers) == 2 and answers[0].forward != answers[1].forward
+    else:
+        assert len(answers) == 1
 
 
 def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -136,12 +136,12 @@ class PlainBuild(Backend):
         reason = runtime.unavailable_reason("ort")
         if reason is not None:
             raise RuntimeUnavailableError(self.module_class, reason, "Run the model eagerly")
-        runtime.load(training=False)
         start = time.perf_counter()
         cls = self.module_class
         call = miss.call
         built = None
         if miss.dynamic is not None:
+            runtime.load(training=False)
             built = self._symbolic(miss, progress)
         if built is None:
             built = self._exact(miss, progress)
@@ -186,34 +186,65 @@ class PlainBuild(Backend):
     def _exact(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards]:
         """The call traced for its shapes and lowered. A child forked first imports the
         exporter and lowers the graphs (`plain.offload`) while this process imports
-        aot_autograd and traces; without one (no fork, the exporter imported here already, a
-        graph the child cannot take, a failed child) they are lowered here."""
-        from ort_autopatch.engine.plain import capture, decompositions, offload, program
+        aot_autograd and traces, from the operators torchlib is expected to translate; once
+        the child has named them, a trace made (or failed) from another table is made again.
+        Without a child (no fork, the exporter imported here already, a graph the child
+        cannot take, a failed child) the graphs are lowered here."""
+        from ort_autopatch.engine.plain import capture, decompositions, lowering, offload, program
 
         call, cls = miss.call, self.module_class
         lowerer = offload.Lowerer.start()
         graphs = None
         try:
-            if lowerer is not None:
+            # after the fork: the child needs nothing of ONNX Runtime (forked 0.04 s sooner)
+            runtime.load(training=False)
+            if lowerer is None:
+                captured = self._trace(miss, progress, decompositions.table())
+            else:
                 capture.load_tracer()  # while the child imports torchlib
-            table = decompositions.table(lowerer.implemented() if lowerer else None)
-            progress.phase = "tracing forward and backward"
-            try:
-                captured = capture.capture(
-                    miss.module, self.forward, call.spec(), call.tensors, cls, table
-                )
-            except ExportError as exc:
-                data_dependent = self._data_dependent(exc)
-                if data_dependent is None:
-                    raise
-                raise data_dependent from exc
-            progress.phase = "lowering to ONNX"
-            if lowerer is not None:
-                graphs = lowerer.lower(captured.forward, captured.backward, cls)
+                expected = lowerer.expected()
+                failed: Exception | None = None
+                try:
+                    captured = self._trace(miss, progress, decompositions.table(expected))
+                except Exception as exc:  # maybe the table's doing: decided once it is known
+                    failed = exc
+                else:
+                    progress.phase = "lowering to ONNX"
+                    # (`meanwhile`: what `alike` reads, made while the child is busy)
+                    graphs = lowerer.lower(
+                        captured.forward, captured.backward, cls, decompositions.decomposable
+                    )
+                named = lowerer.implemented() or lowering.implemented()
+                if not decompositions.alike(expected, named):
+                    log.debug(
+                        "%s: torchlib translates other operators than read; traced again", cls
+                    )
+                    captured = self._trace(miss, progress, decompositions.table(named))
+                    progress.phase = "lowering to ONNX"
+                    graphs = lowerer.lower(captured.forward, captured.backward, cls)
+                elif failed is not None:
+                    raise failed
         finally:
             if lowerer is not None:
                 lowerer.close()
         return captured, program.lower(captured, cls, graphs), SizeGuards(call.shapes())
+
+    def _trace(self, miss: Miss, progress: Progress, table: dict[Any, Any]) -> Any:
+        """`plain.capture` of the call for its shapes; forward reading tensor data is refused
+        as data-dependent (`_data_dependent`)."""
+        from ort_autopatch.engine.plain import capture
+
+        call = miss.call
+        progress.phase = "tracing forward and backward"
+        try:
+            return capture.capture(
+                miss.module, self.forward, call.spec(), call.tensors, self.module_class, table
+            )
+        except ExportError as exc:
+            data_dependent = self._data_dependent(exc)
+            if data_dependent is None:
+                raise
+            raise data_dependent from exc
 
     def _symbolic(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards] | None:
         """The call traced with `miss.dynamic` as symbols, lowered, and its guards; None (and

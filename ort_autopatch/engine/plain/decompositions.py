@@ -515,3 +515,18 @@ def table(implemented: frozenset[Any] | None = None) -> dict[Any, Callable[..., 
     for op in KEPT:
         found.pop(op, None)
     return found
+
+
+@functools.cache
+def decomposable() -> frozenset[Any]:
+    """The operators torch's tables decompose: those whose place in `table` depends on what
+    torchlib translates (about 0.05 s, once)."""
+    return frozenset(torch.export.default_decompositions()) | frozenset(
+        torch._decomp.decomposition_table
+    )
+
+
+def alike(one: frozenset[Any], other: frozenset[Any]) -> bool:
+    """Whether `table(one)` and `table(other)` are one table: the two sets agree on every
+    operator torch's tables decompose (what else they hold is never read)."""
+    return not (one ^ other) & decomposable()

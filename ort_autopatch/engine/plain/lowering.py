@@ -9,7 +9,10 @@ The exporter's registry (`ONNXRegistry.from_torchlib`) infers the ONNX signature
 torchlib functions (about 2 s in a fresh process); a graph has a few dozen operators, so this
 module registers only those (`registry_for`), the same functions in the same order as the
 full registry would hold them, and names what torchlib covers (`implemented`, which the
-decomposition table needs) without inferring any signature.
+decomposition table needs) without inferring any signature. Importing torchlib at all costs a
+fresh process about 1.5 s (onnx's `ml_dtypes` alone half of it), so `read_implemented` reads
+the same names from torchlib's sources, for a trace that cannot wait for that import (its
+answer is confirmed by `implemented` before a graph it decided is used: `offload`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +89,77 @@ def implemented() -> frozenset[Any]:
         target = _registration._get_overload(name)
         if target is not None:
             found.add(target)
+    return frozenset(found)
+
+
+#: a torchlib registration and its arguments: onnxscript's `@torch_op(names, ...)`, torch's
+#: own `@onnx_impl(targets, ...)`
+_REGISTRATION = re.compile(r"@(torch_op|onnx_impl)\(")
+_QUALIFIED = re.compile(r"""["']([A-Za-z0-9_]+)::([A-Za-z0-9_]+)(?:\.([A-Za-z0-9_.]+))?["']""")
+_OVERLOAD = re.compile(r"(?<![\w.])(?:torch\.ops\.)?(aten|prims)\.(\w+)\.(\w+)")
+_PRIVATE = re.compile(r"\bprivate\s*=\s*True")
+_INTRODUCED = re.compile(r"\bopset_introduced\s*=\s*(\d+)")
+
+
+def _arguments(text: str, start: int) -> str:
+    """The text up to the parenthesis closing the one opened just before `start`."""
+    depth, end = 1, start
+    while depth and end < len(text):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    return text[start : end - 1]
+
+
+def _aten(namespace: str, name: str, overload: str | None) -> Any:
+    """`namespace::name[.overload]` as torch's operator (as the exporter resolves it), or None."""
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        if overload is None:
+            if "default" not in packet._overload_names and "" not in packet._overload_names:
+                return None
+            overload = "default"
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _sources() -> list[Path]:
+    """torchlib's operator modules (onnxscript's and torch's own), found without importing."""
+    roots = [Path(torch.__file__).parent / "onnx" / "_internal" / "exporter" / "_torchlib"]
+    spec = importlib.util.find_spec("onnxscript")
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(Path(next(iter(spec.submodule_search_locations))) / "function_libs")
+        roots[-1] /= "torch_lib"
+    return [path for root in roots for path in sorted((root / "ops").glob("*.py"))]
+
+
+@functools.cache
+def read_implemented() -> frozenset[Any]:
+    """The ATen and prims operators torchlib translates at `OPSET`, read from its sources
+    (about 15 ms, no import) rather than from its registry (`implemented`): the registrations
+    of public functions, torch's own up to `OPSET`. All the decomposition table reads of
+    `implemented` (a test holds the two to one table); a registration these patterns misread
+    (a torchlib rewritten) costs one more trace, never a wrong graph (`offload`)."""
+    found: set[Any] = set()
+    for path in _sources():
+        text = path.read_text(encoding="utf-8")
+        for match in _REGISTRATION.finditer(text):
+            arguments = _arguments(text, match.end())
+            if _PRIVATE.search(arguments):
+                continue
+            if match[1] == "torch_op":
+                names = [
+                    (namespace, name, overload or None)
+                    for namespace, name, overload in _QUALIFIED.findall(arguments)
+                    if namespace in ("aten", "prims")
+                ]
+            else:
+                introduced = _INTRODUCED.search(arguments)
+                if introduced is not None and int(introduced[1]) > OPSET:
+                    continue
+                names = _OVERLOAD.findall(arguments)
+            found.update(_aten(*name) for name in names)
+    found.discard(None)
     return frozenset(found)
 
 
@@ -154,22 +229,29 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
+#: set in a graph's meta once `promote_types` has run on it (in place)
+PROMOTED = "ort_autopatch_promoted"
+
+
 def promote_types(gm: torch.fx.GraphModule) -> None:
-    """The exporter's type-promotion pass (casts where ATen promotes implicitly), as
-    `to_onnx` runs it: it runs the graph on its fake tensors, so it needs no more of the
-    exporter than this pass (`offload` runs it before sending a graph)."""
+    """The exporter's type-promotion pass (casts where ATen promotes implicitly), in place,
+    as `to_onnx` runs it: it runs the graph on its fake tensors, so it needs no more of the
+    exporter than this pass (`offload` runs it before sending a graph). The graph is marked,
+    so that `to_onnx` does not run it twice."""
     from torch.onnx._internal.fx.passes import type_promotion
 
     from ort_autopatch.engine.plain.capture import real_constants_allowed
 
     with EXPORT_LOCK, real_constants_allowed():  # see `to_onnx`
         type_promotion.InsertTypePromotion(gm).run()
+    gm.meta[PROMOTED] = True
 
 
 def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = False) -> bytes:
     """The ONNX bytes of one graph: its placeholders are the inputs, its outputs (no None,
-    none twice) the outputs, all named after their FX nodes. `promoted`: `promote_types`
-    has run (the graph's values need not be fake tensors then: shapes and dtypes do)."""
+    none twice) the outputs, all named after their FX nodes. `promoted` (or the graph's
+    `PROMOTED` mark): `promote_types` has run (the graph's values need not be fake tensors
+    then: shapes and dtypes do)."""
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
@@ -194,7 +276,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
         # sets a process-wide logger level; real constants pass, as type promotion runs the
         # graph on fakes.
         with EXPORT_LOCK, _quiet(), real_constants_allowed():
-            if not promoted:
+            if not (promoted or gm.meta.get(PROMOTED)):
                 _fx_passes.insert_type_promotion_nodes(gm)
             _core._translate_fx_graph(
                 gm.graph,

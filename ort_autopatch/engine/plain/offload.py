@@ -4,21 +4,30 @@ A cold first call spent most of its time importing: torch's aot_autograd (the tr
 exporter's stack (torchlib, onnx, onnx_ir: the lowering), one after the other on one core. A
 `Lowerer` forked at the start of a build imports the exporter's stack on the other core while
 this process imports aot_autograd and traces; the child names the operators torchlib
-translates (what the decomposition table needs before the trace), warms the translator up,
-then lowers the two graphs the trace sent it and returns their ONNX bytes. This process then
-never imports the exporter or onnx for that build. Only where a core is free: on a busy
-machine the child's own CPU costs more than the overlap gains (`_core_to_spare`).
+translates, warms the translator up, then lowers the two graphs the trace sent it and returns
+their ONNX bytes. This process then never imports the exporter or onnx for that build. Only
+where a core is free: on a busy machine the child's own CPU costs more than the overlap gains
+(`_core_to_spare`).
+
+The decomposition table the trace needs depends on what torchlib translates, which the child
+knows only once its imports are done (1.5 s of a fresh process, most of the first call): the
+trace does not wait for it but starts from the same names read from torchlib's sources
+(`Lowerer.expected`, `lowering.read_implemented`), and its graphs are used only once the
+child's answer gives the same table (`decompositions.alike`), else the call is traced again
+with the child's (for the torchlib installed, the two agree on every operator the table reads:
+a test checks it).
 
 FX graphs do not pickle with their node meta (the translator reads each node's `val`), so the
 graphs cross as plain data (`encode`): each node's op, name, target by qualified name, its
 arguments (node references and plain constants), its fake value as shape, strides, dtype and
 storage offset, and the meta the translator copies into the graph (stack trace, module stack
 with classes by name). The exporter's type-promotion pass runs the graph on fake tensors, and
-a process's first fake tensor mode imports torch._dynamo (a second): it runs here, on a copy
-rebuilt from the encoding, and the child rebuilds the promoted graph on meta tensors, which
-carry all the translator reads. Only CPU graphs of exact shapes cross: a node this cannot
-carry (a symbolic size, a CUDA value, an unknown target), a failed type promotion, a child
-that fails, hangs or dies, all mean lowering here, as without the child, with the same result.
+a process's first fake tensor mode imports torch._dynamo (a second): it runs here, on the
+traced graphs in place (as lowering here would run it), and the child rebuilds the promoted
+graph on meta tensors, which carry all the translator reads. Only CPU graphs of exact shapes
+cross: a node this cannot carry (a symbolic size, a CUDA value, an unknown target), a failed
+type promotion, a child that fails, hangs or dies, all mean lowering here, as without the
+child, with the same result.
 
 Fork safety: the child runs no parallel torch kernel (its thread count is set to 1 before any
 torch work: OpenMP's pool does not survive a fork) and touches no CUDA (only CPU graphs are
@@ -30,6 +39,7 @@ nothing changes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -331,7 +341,11 @@ def _warm_up() -> None:
 
 
 def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
-    """The child: import, name what torchlib translates, lower what comes."""
+    """The child: import, name what torchlib translates, lower what comes (a second request
+    follows a trace made again with the child's names) until this process closes it."""
+    # no collections: the child lives for one build, and its imports and translation make
+    # objects by the hundred thousand (0.05 s of collections measured in the imports alone)
+    gc.disable()
     from ort_autopatch.engine import export
     from ort_autopatch.engine.plain import lowering, program
 
@@ -342,10 +356,14 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
     lowering._lock = threading.Lock()
     send(_implemented_names())
     _warm_up()
-    cls, forward, backward = receive()
-    graphs = [None if graph is None else decode(graph, fake=False) for graph in (forward, backward)]
-    assert graphs[0] is not None
-    send(program.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
+    while True:
+        try:
+            cls, forward, backward = receive()
+        except EOFError:
+            return
+        graphs = [None if g is None else decode(g, fake=False) for g in (forward, backward)]
+        assert graphs[0] is not None
+        send(program.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
 
 
 def _core_to_spare() -> bool:
@@ -364,6 +382,7 @@ class Lowerer:
     def __init__(self, child: sandbox.Child) -> None:
         self._child = child
         self._names: list[tuple[str, ...]] | None = None
+        self._failed = False  # the child failed: nothing more is asked of it
 
     @classmethod
     def start(cls) -> Lowerer | None:
@@ -385,38 +404,58 @@ class Lowerer:
     def _receive(self) -> Any:
         return self._child.receive(TIMEOUT_SECONDS)
 
+    @staticmethod
+    def expected() -> frozenset[Any]:
+        """What torchlib translates, as this process can tell without importing it: an
+        earlier child's answer, else torchlib's sources read (`lowering.read_implemented`).
+        A trace may start from it; `implemented` confirms it before its graphs are used."""
+        if _implemented:
+            return _implemented[0]
+        from ort_autopatch.engine.plain import lowering
+
+        return lowering.read_implemented()
+
     def implemented(self) -> frozenset[Any] | None:
         """The operators torchlib translates, from the child (or an earlier child); None if
         it failed: `lowering.implemented()` then."""
         if _implemented:
             return _implemented[0]
+        if self._failed:
+            return None
         try:
-            self._names = self._receive()
+            if self._names is None:  # else read by `lower` already
+                self._names = self._receive()
             assert self._names is not None
             found = frozenset(_found(self._names))
         except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
             log.debug("the lowering child named no operators (%s)", exc)
+            self._failed = True
             return None
         _implemented.append(found)
         return found
 
     def lower(
-        self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, cls: str
+        self,
+        forward: torch.fx.GraphModule,
+        backward: torch.fx.GraphModule | None,
+        cls: str,
+        meanwhile: Callable[[], Any] | None = None,
     ) -> Graphs | None:
-        """Both graphs lowered by the child, or None: lower them here.
+        """Both graphs lowered by the child, or None: lower them here. `meanwhile()` runs
+        while the child lowers them (time this process would spend waiting).
 
-        Types are promoted here, on copies rebuilt from the encoding (the pass runs the graph
-        on fake tensors, which the child would have to import torch._dynamo for): the graphs
-        given stay as they were, for lowering here after all."""
+        Types are promoted here, in place (the pass runs the graph on fake tensors, which the
+        child would have to import torch._dynamo for), as lowering here would promote them:
+        a graph promoted is marked (`lowering.PROMOTED`), so lowering it here after all does
+        not promote it twice."""
         from ort_autopatch.engine.plain import lowering
 
+        graphs = [graph for graph in (forward, backward) if graph is not None]
         try:
-            promoted = []
-            for graph in (forward, backward):
-                if graph is not None:
-                    copy = decode(encode(graph), fake=True)
-                    lowering.promote_types(copy)
-                    promoted.append(encode(copy))
+            for graph in graphs:
+                if not graph.meta.get(lowering.PROMOTED):
+                    lowering.promote_types(graph)
+            promoted = [encode(graph) for graph in graphs]
         except Unsupported as exc:
             log.debug("%s: lowered in this process: the graph has %s", cls, exc)
             return None
@@ -424,14 +463,19 @@ class Lowerer:
             log.debug("%s: lowered in this process: type promotion failed (%s)", cls, exc)
             return None
         request = (cls, promoted[0], promoted[1] if backward is not None else None)
+        if self._failed:
+            return None
         try:
             if self._names is None:
                 self._names = self._receive()  # the child's first answer, not read yet
             self._child.send(request)
-            graphs: Graphs = self._receive()
-            return graphs
+            if meanwhile is not None:
+                meanwhile()
+            answer: Graphs = self._receive()
+            return answer
         except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
             log.debug("%s: lowered in this process: the child failed (%s)", cls, exc)
+            self._failed = True
             return None
 
     def close(self) -> None:

@@ -120,6 +120,41 @@ def test_transposes_that_undo_each_other_are_the_feed_itself_and_others_are_kept
     assert capture._unpermuted(mul.args[0]) is (placeholder if identity else None)
 
 
+@pytest.mark.parametrize(
+    ("reduce", "folded"),
+    [
+        (lambda x: x.sum([0], keepdim=True).view(3, 4), True),
+        (lambda x: x.sum([0, -1], keepdim=True).reshape(3), True),
+        (lambda x: x.sum([0], keepdim=True).view(1, 3, 4), False),  # keeps the dim's place
+        (lambda x: x.sum([0], keepdim=True).view(12), False),  # not the reduced shape
+    ],
+)
+def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
+    reduce: Callable[[torch.Tensor], torch.Tensor], folded: bool
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.plain import capture
+
+    x = torch.randn(2, 3, 4)
+    gm = make_fx(lambda x: reduce(x) * 2)(x)
+    capture._sums_without_kept_dims(gm)
+    reshapes = [n for n in gm.graph.nodes if n.target in capture._RESHAPES]
+    assert bool(reshapes) is not folded
+    assert torch.equal(gm(x), reduce(x) * 2)
+
+
+def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:
+    import onnx
+
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    plain = _train_like_eager(model, lambda: (torch.randn(8, 20),), steps=2)
+    assert plain.lowered.backward is not None
+    backward = onnx.load_from_string(plain.lowered.backward)
+    ops = [node.op_type for node in backward.graph.node]
+    assert ops.count("ReduceSum") == 2 and "Reshape" not in ops
+
+
 def test_batchnorm_in_train_mode_normalises_with_batch_statistics() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     _train_like_eager(model, lambda: (torch.randn(4, 3, 6, 6) * 3 + 1,))

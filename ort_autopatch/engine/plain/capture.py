@@ -390,6 +390,9 @@ def capture(
     if backward_gm is not None:
         _link(captured, forward_gm, backward_gm, tangents, num_forward)
         _pass_feeds_through(forward_gm, num_forward)
+    for graph in (forward_gm, backward_gm):
+        if graph is not None:
+            _sums_without_kept_dims(graph)
     return captured
 
 
@@ -599,3 +602,44 @@ def _link(
             f"the backward graph has {len(outputs)} outputs for {len(captured.feeds)} inputs",
             "Report the model",
         )
+
+
+_RESHAPES = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
+
+
+def _sums_without_kept_dims(gm: torch.fx.GraphModule) -> None:
+    """`sum(x, dims, keepdim=True)` read only by a view dropping those dims (a bias's
+    gradient, as the partitioner writes it) becomes `sum(x, dims)`: one ReduceSum without
+    the Reshape behind it, the same numbers. Runs after `_link`: outputs keep their places."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.sum.dim_IntList:
+            continue
+        if len(node.args) < 3 or node.args[2] is not True or len(node.users) != 1:
+            continue
+        (view,) = node.users
+        value, viewed = node.meta.get("val"), view.meta.get("val")
+        if view.target not in _RESHAPES or view.args[0] is not node:
+            continue
+        if not isinstance(value, torch.Tensor) or not isinstance(viewed, torch.Tensor):
+            continue
+        rank = value.dim()
+        dims = {d % rank for d in node.args[1]} if node.args[1] else set(range(rank))
+        kept = [size for k, size in enumerate(value.shape) if k not in dims]
+        if len(kept) != viewed.dim() or not all(
+            statically_known_true(a == b) for a, b in zip(kept, viewed.shape, strict=True)
+        ):
+            continue
+        with gm.graph.inserting_after(node):
+            summed = gm.graph.call_function(
+                _aten.sum.dim_IntList, (node.args[0], node.args[1], False), dict(node.kwargs)
+            )
+        summed.meta = dict(view.meta)
+        view.replace_all_uses_with(summed)
+        gm.graph.erase_node(view)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()

@@ -74,6 +74,87 @@ def test_mlp_trains_with_eagers_gradients_and_sees_the_optimizers_updates() -> N
     _train_like_eager(model, lambda: (torch.randn(8, 20),), steps=4)
 
 
+def test_a_weight_backward_reads_untransposed_is_handed_over_not_copied_by_forward() -> None:
+    """The partitioner saves `t(t(fc2.weight))` for the hidden layer's gradient: the forward
+    graph returns no copy of the weight; the program hands backward the parameter itself,
+    with eager's gradients and eager's error for an in-place write before backward."""
+    import onnx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    plain = _train_like_eager(model, lambda: (torch.randn(8, 20),), steps=2)
+    forward = onnx.load_from_string(plain.lowered.forward)
+    assert "Identity" not in {node.op_type for node in forward.graph.node}
+    assert len(forward.graph.output) == 2  # the logits and the hidden activation
+    weight = [f.where for f in plain.lowered.feeds].index("2.weight")
+    assert ("in", weight) in plain.lowered.forward_outputs
+    out = plain(torch.randn(8, 20))
+    with torch.no_grad():
+        model[2].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("shape", "chain", "identity"),
+    [
+        ((2, 3), lambda w: w.t().t(), True),
+        ((2, 3, 4), lambda w: w.transpose(0, 2).transpose(2, 0), True),
+        ((2, 3, 4), lambda w: w.permute(1, 2, 0).permute(2, 0, 1), True),
+        ((2, 3, 4), lambda w: w.permute(1, 2, 0).transpose(0, 1), False),
+        ((2, 3), lambda w: w.t(), False),
+    ],
+)
+def test_transposes_that_undo_each_other_are_the_feed_itself_and_others_are_kept(
+    shape: tuple[int, ...], chain: Callable[[torch.Tensor], torch.Tensor], identity: bool
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.plain import capture
+
+    w = torch.arange(float(torch.Size(shape).numel())).view(shape)
+    assert torch.equal(chain(w), w) is identity
+    gm = make_fx(lambda w: chain(w) * 2)(w)
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    mul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert capture._unpermuted(mul.args[0]) is (placeholder if identity else None)
+
+
+@pytest.mark.parametrize(
+    ("reduce", "folded"),
+    [
+        (lambda x: x.sum([0], keepdim=True).view(3, 4), True),
+        (lambda x: x.sum([0, -1], keepdim=True).reshape(3), True),
+        (lambda x: x.sum([0], keepdim=True).view(1, 3, 4), False),  # keeps the dim's place
+        (lambda x: x.sum([0], keepdim=True).view(12), False),  # not the reduced shape
+    ],
+)
+def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
+    reduce: Callable[[torch.Tensor], torch.Tensor], folded: bool
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.plain import capture
+
+    x = torch.randn(2, 3, 4)
+    gm = make_fx(lambda x: reduce(x) * 2)(x)
+    capture._sums_without_kept_dims(gm)
+    reshapes = [n for n in gm.graph.nodes if n.target in capture._RESHAPES]
+    assert bool(reshapes) is not folded
+    assert torch.equal(gm(x), reduce(x) * 2)
+
+
+def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:
+    import onnx
+
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    plain = _train_like_eager(model, lambda: (torch.randn(8, 20),), steps=2)
+    assert plain.lowered.backward is not None
+    backward = onnx.load_from_string(plain.lowered.backward)
+    ops = [node.op_type for node in backward.graph.node]
+    assert ops.count("ReduceSum") == 2 and "Reshape" not in ops
+
+
 def test_batchnorm_in_train_mode_normalises_with_batch_statistics() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     _train_like_eager(model, lambda: (torch.randn(4, 3, 6, 6) * 3 + 1,))

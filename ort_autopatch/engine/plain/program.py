@@ -62,14 +62,12 @@ class _Session:
         seed: int | None = None,
     ) -> list[Any]:
         """The graph's outputs; a graph that draws is seeded with `seed`, else with the
-        stream's next seed. On CPU without the stream context: every call of a step
-        passes here twice."""
+        stream's next seed."""
         fetches = self._vector()
         if self.draws:
             runtime.capi().set_seed(rng.next_seed() if seed is None else seed)
-        caller = None
         try:
-            if self.stream is None:
+            with bridge.on_stream(self.stream) as caller:  # a shared no-op on CPU
                 self._run(
                     self.run_options,
                     self.feed_names,
@@ -78,16 +76,6 @@ class _Session:
                     fetches,
                     self.fetch_devices,
                 )
-            else:
-                with bridge.on_stream(self.stream) as caller:
-                    self._run(
-                        self.run_options,
-                        self.feed_names,
-                        bridge._push([values[k] for k in self.feeds], kept),
-                        self.fetch_names,
-                        fetches,
-                        self.fetch_devices,
-                    )
         except Exception as exc:
             raise ExecutionError(
                 cls, f"ONNX Runtime {phase} failed: {session.ort_message(exc)}", "Run eagerly"

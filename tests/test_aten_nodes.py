@@ -301,3 +301,34 @@ def test_first_steps_run_while_the_executor_compiles_once_then_every_graph_uses_
     assert len(Path(slow_compiler["COMPILER_RUNS"]).read_text().split()) == 1
     # the library, and no temporary file beside it
     assert [p.name for p in target.parent.iterdir() if p.suffix == ".so"] == [target.name]
+
+
+@needs_compiler
+def test_a_graph_takes_up_the_executor_another_process_was_compiling(
+    tmp_path: Path, slow_compiler: dict[str, str]
+) -> None:
+    # another process (here: this test) holds the build's lock and writes the library: the
+    # training process starts no compiler of its own, and its graph takes the library up
+    ready = tmp_path / "first-step"
+    target = _target()
+    with aten_build.exclusive(aten_build.lock_path(target), wait=True):
+        staying = subprocess.Popen(
+            [sys.executable, "-c", _FIRST_STEPS, "wait", str(ready)],
+            env=slow_compiler,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 300
+        while not ready.exists() and time.monotonic() < deadline:
+            assert staying.poll() is None, staying.communicate()
+            time.sleep(0.1)
+        partial = target.with_name(".partial.so")
+        partial.write_bytes(Path(slow_compiler["REAL_EXECUTOR"]).read_bytes())
+        os.replace(partial, target)
+    out, err = staying.communicate(timeout=300)
+    assert staying.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[1] == "first graph: False True"
+    assert lines[2] == "first graph, next step: True False"
+    assert not Path(slow_compiler["COMPILER_RUNS"]).exists()  # no compiler of its own

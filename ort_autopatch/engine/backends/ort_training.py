@@ -498,8 +498,10 @@ class TrainingBuild(Backend):
                 gradient = payload.gradient
 
                 def with_executor() -> session.GradientGraph | None:
-                    made, still = self._for_device(gradient, shapes, device, _Quiet())
-                    return None if made is None or still else made
+                    if not self._executor_ready():  # it failed, or another build still runs
+                        return None
+                    made, _ = self._for_device(gradient, shapes, device, _Quiet())
+                    return made
 
                 upgrade = _Upgrade(cls, recipe, with_executor, device, settings)
             return _Training(program, step, kept, counts, {"gradient": ran.model}, upgrade)
@@ -514,6 +516,12 @@ class TrainingBuild(Backend):
         payload.optimized = payload.optimized or inference.optimized
         kept = _kept(recipe, inference.feed_names)
         return _Inference(inference, step, kept, recipe.torch_nodes)
+
+    def _executor_ready(self) -> bool:
+        from ort_autopatch.engine.torch_in_graph import aten_executor
+
+        folder = aten_executor.default_folder() if self.options.compile_executor else None
+        return aten_executor.executor(folder) is None
 
     def _for_device(
         self,

@@ -28,7 +28,8 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,12 @@ _library: Any = None  # keeps the loaded library referenced
 _announced = False  # this process said that the executor is compiling (once)
 _plans: dict[Path, tuple[list[str], Path]] = {}  # folder -> (compiler line, library)
 _watching = False  # a thread waits for the background compiler (this process's or another's)
-#: set once a compiler run this process waited for has ended (well or not): `compiled()`
+#: set once the background compile this process waits for has left its library or its
+#: failure note (or no compiler runs and none appeared): `compiled()`
 _done = threading.Event()
+#: how long no process may hold the lock, with neither library nor note there, before the
+#: watch ends (a compiler killed halfway); another process's build may take that long to lock
+_ORPHANED_SECONDS = 5.0
 
 #: `executor()`'s answer while the library is being compiled: a later call may find it
 COMPILING = "the ATen executor is compiling in the background"
@@ -132,9 +137,9 @@ def _in_background(command: list[str], target: Path) -> str:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        _watch(builder.wait)  # reaps it, too
-    elif not _watching:  # another process compiles: its lock is free once its compiler is done
-        _watch(lambda: _lock_released(target))
+        _watch(target, builder)
+    elif not _watching:  # another process compiles
+        _watch(target, None)
     if not _announced:
         _announced = True
         log.info(
@@ -147,22 +152,33 @@ def _in_background(command: list[str], target: Path) -> str:
     return COMPILING
 
 
-def _watch(wait: Callable[[], object]) -> None:
-    """Set `_done` once `wait()` returns, from a daemon thread (nothing waits for the compiler
-    when the process exits)."""
+def _watch(target: Path, builder: subprocess.Popen[bytes] | None) -> None:
+    """Set `_done` from a daemon thread (nothing waits for the compiler when the process exits)
+    once `target` or its failure note exists. This process's `builder` is reaped first; it
+    may have lost the race to another process's build, which holds the lock until it is done
+    (and may not hold it yet when this one looks)."""
     global _watching
     _watching = True
+    failed = aten_build.failure_path(target)
 
     def watch() -> None:
-        wait()
+        if builder is not None:
+            builder.wait()
+        unlocked_since = None
+        polls = 0
+        while not (target.exists() or failed.exists()):
+            polls += 1
+            if polls % 10 == 0:  # the lock, once a second: looking takes it for a moment
+                if aten_build.building(target):
+                    unlocked_since = None
+                elif unlocked_since is None:
+                    unlocked_since = time.monotonic()
+                elif time.monotonic() - unlocked_since > _ORPHANED_SECONDS:
+                    break
+            time.sleep(0.1)
         _done.set()
 
     threading.Thread(target=watch, name="ort_autopatch-aten-build", daemon=True).start()
-
-
-def _lock_released(target: Path) -> None:
-    with aten_build.exclusive(aten_build.lock_path(target), wait=True):
-        pass
 
 
 def _address(function: Any) -> int:

@@ -47,9 +47,8 @@ class _Session:
     draws: bool  # a run reads ORT's generator (dropout): seed it first
 
     def __post_init__(self) -> None:
-        # read once, not per run: the bound run method and the vector type, and whether the
-        # fetches are the outputs as they are (no input passed through, none missing)
-        self._run = self.session._sess.run_with_ortvaluevector
+        # read once, not per run: the vector type, and whether the fetches are the outputs as
+        # they are (no input passed through, none missing)
         self._vector = runtime.capi().OrtValueVector
         self._as_fetched = self.outputs == [("onnx", k) for k in range(len(self.outputs))]
 
@@ -68,7 +67,7 @@ class _Session:
             runtime.capi().set_seed(rng.next_seed() if seed is None else seed)
         try:
             with bridge.on_stream(self.stream) as caller:  # a shared no-op on CPU
-                self._run(
+                self.session._sess.run_with_ortvaluevector(
                     self.run_options,
                     self.feed_names,
                     bridge._push([values[k] for k in self.feeds], kept),

@@ -18,6 +18,7 @@ import fnmatch
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -517,11 +518,16 @@ class TrainingBuild(Backend):
         kept = _kept(recipe, inference.feed_names)
         return _Inference(inference, step, kept, recipe.torch_nodes)
 
+    def _executor_folder(self) -> Path | None:
+        """Where the ATen executor is cached; None: it is never compiled (the option is off)."""
+        from ort_autopatch.engine.torch_in_graph import aten_executor
+
+        return aten_executor.default_folder() if self.options.compile_executor else None
+
     def _executor_ready(self) -> bool:
         from ort_autopatch.engine.torch_in_graph import aten_executor
 
-        folder = aten_executor.default_folder() if self.options.compile_executor else None
-        return aten_executor.executor(folder) is None
+        return aten_executor.executor(self._executor_folder()) is None
 
     def _for_device(
         self,
@@ -543,10 +549,9 @@ class TrainingBuild(Backend):
 
         def aten() -> bool:
             nonlocal compiling
-            folder = aten_executor.default_folder() if self.options.compile_executor else None
             progress.phase = "loading the ATen executor"
             try:
-                reason = aten_executor.executor(folder)
+                reason = aten_executor.executor(self._executor_folder())
             finally:
                 progress.phase = "session"
             compiling = reason == aten_executor.COMPILING

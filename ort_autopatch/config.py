@@ -442,9 +442,10 @@ class Config:
         flag="--static-after",
         kind=Integer(lambda n: n >= 0, "a count of calls, 0 for never"),
         engine=True,
-        help="an input shape that comes back this many calls in a row gets a static-shape graph "
-        "of its own beside the dynamic one (faster on CPU; at most 2 shapes per train/eval and "
-        "grad mode, each costs one more export and gradient build)",
+        help="the first call's input shapes, and an input shape that comes back this many calls "
+        "in a row, get a static-shape graph of their own beside the dynamic one (faster to "
+        "build and to run on CPU; at most 2 shapes per train/eval and grad mode, each later one "
+        "costs one more export and gradient build); 0: only the dynamic graph",
     )
 
     compile_executor: bool = option(
@@ -467,8 +468,8 @@ class Config:
         flag_sets=False,
         kind=Switch(),
         engine=True,
-        help="on CPU, graphs built for one input shape (one that keeps coming back, see "
-        "static_after, or the first shape of a model that specialises on sizes) "
+        help="on CPU, graphs built for one input shape (the first call's, one that keeps "
+        "coming back, see static_after, or the first shape of a model that specialises on sizes) "
         "allocate from one ONNX Runtime arena shared by the process, which keeps each step's "
         "buffers for the next (no page faults each step) and holds that memory until the "
         "process exits; off: ORT's buffers are freed with each step's tensors",

@@ -24,15 +24,19 @@ from tests.proc_helpers import REPO, rendezvous, run, torchrun
 SCRIPT = REPO / "examples" / "train_fsdp2.py"
 STEPS = 5
 LAYERS = 2  # examples/train_fsdp2.py: LAYERS blocks
-#: graphs a training key builds over the example's lengths (16, 13, 10, ...): the plain backend
-#: traces the first length's, then one with symbolic lengths (`engine/sizes.py`)
-TRAINING_GRAPHS = 2 if plain_backend() else 1
+#: graphs a training key builds over the example's lengths (16, 13, 10, ...): one for the first
+#: length's shapes, then one for every length (the plain backend's with symbolic lengths,
+#: `engine/sizes.py`; the training build's with dynamic axes)
+TRAINING_GRAPHS = 2
 #: and why it built the second
-REBUILT = (
-    [{"reason": "size guard failed: inputs[0].shape[1] == 16", "count": 1}]
-    if plain_backend()
-    else []
-)
+REBUILT = [
+    {
+        "reason": "size guard failed: inputs[0].shape[1] == 16"
+        if plain_backend()
+        else "new input shape",
+        "count": 1,
+    }
+]
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -94,8 +98,8 @@ def _assert_blocks_in_ort(ort: dict[str, Any]) -> None:
         block = classes["__main__:Block"]
         assert block["instances"] == LAYERS, rank
         assert (block["ort_calls"], block["eager_calls"]) == (LAYERS * STEPS, 0), (rank, block)
-        # one graph per block instance, built in the first step (plain: and its symbolic one
-        # in the second); nothing rebuilt afterwards
+        # two graphs per block instance, built in the first step (for its length) and the
+        # second (for every length); nothing rebuilt afterwards
         rebuilt = [{**r, "count": LAYERS * r["count"]} for r in REBUILT]
         graphs = LAYERS * TRAINING_GRAPHS
         assert (block["exports"], block["rebuilds"], block["fallbacks"]) == (graphs, rebuilt, []), (

@@ -1,6 +1,7 @@
-"""Static-shape graphs: an input shape that keeps coming back gets a graph exported for exactly
-that shape beside the dynamic one (faster on CPU), and no graph ever serves a shape it was not
-built for. Every call is compared with an eager twin, and every call must have run in ORT.
+"""Static-shape graphs: the first call of each mode, and an input shape that keeps coming back,
+get a graph exported for exactly that shape beside the dynamic one (faster on CPU, and faster
+to build), and no graph ever serves a shape it was not built for. Every call is compared with
+an eager twin, and every call must have run in ORT.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ AFTER = 8  # the default of --static-after
 #: shape earns a static one (its graph per shape is held to eager in test_engine_semantics)
 HOT_SHAPES = pytest.mark.skipif(
     plain_backend(),
-    reason="these counts follow the training build's order (a dynamic graph first, static ones "
-    "earned beside it); the plain backend traces its first graph for one shape and symbols from "
-    "the second shape on (tests/test_plain_dynamic_shapes.py counts its graphs)",
+    reason="these counts follow the training build's order (a static graph for the first "
+    "shape, the dynamic graph for others, static ones earned beside it); the plain backend "
+    "traces its first graph for one shape and symbols from the second shape on "
+    "(tests/test_plain_dynamic_shapes.py counts its graphs)",
 )
 
 
@@ -156,6 +158,34 @@ def test_after_zero_never_picks_shapes_and_never_reads_them() -> None:
     assert hot.pick("train", shapes) == (None, False)
 
 
+def test_the_first_call_of_a_mode_has_its_shapes_picked_at_once() -> None:
+    hot = HotShapes(after=3, limit=2, first=True)
+    a, b = ((4, 5),), ((4, 6),)
+    picks = [hot.pick("train", lambda s=s: s) for s in (a, b, a, b, b, b)]
+    # a call of a hot shape leaves another shape's streak as it was
+    assert picks == [(a, False), (None, False), (a, False), (None, False), (b, True), (b, False)]
+    assert hot.pick("eval", lambda: b) == (b, False)  # each mode has its own first call
+
+
+def test_the_first_shape_counts_toward_the_limit() -> None:
+    hot = HotShapes(after=2, limit=2, first=True)
+    earned = [hot.pick("train", lambda n=n: ((n,),)) for n in (1, 2, 2, 3, 3)]
+    assert [shapes for shapes, _ in earned] == [((1,),), None, ((2,),), None, None]
+
+
+def test_after_zero_picks_no_first_shape_either() -> None:
+    hot = HotShapes(after=0, limit=2, first=True)
+    assert hot.pick("train", lambda: ((4, 5),)) == (None, False)
+
+
+def test_a_refused_first_shape_is_never_picked_again() -> None:
+    hot = HotShapes(after=2, limit=2, first=True)
+    a = ((4, 5),)
+    assert hot.pick("train", lambda: a) == (a, False)
+    hot.refuse("train", a)
+    assert [hot.pick("train", lambda: a) for _ in range(3)] == [(None, False)] * 3
+
+
 def test_a_refused_shape_is_never_picked_again() -> None:
     hot = HotShapes(after=2, limit=2)
     a = ((4, 5),)
@@ -168,15 +198,30 @@ def test_a_refused_shape_is_never_picked_again() -> None:
 # -- the engine -------------------------------------------------------------------------------
 @HOT_SHAPES
 @pytest.mark.usefixtures("layer")
-def test_a_repeated_shape_gets_a_static_graph_and_every_step_matches_eager() -> None:
+def test_a_fixed_shape_gets_one_static_graph_at_its_first_call() -> None:
     twins = _Twins()
     for _ in range(AFTER + 4):
         twins.step((3, 5, 16))
     stats = class_stats(Layer)
-    assert stats.exports == 2
-    assert stats.static_shape_graphs == 1
-    assert stats.rebuilds == {f"input shape repeated {AFTER} calls: a static-shape graph for it": 1}
+    assert (stats.exports, stats.static_shape_graphs) == (1, 1)
+    assert stats.rebuilds == {}
     _assert_all_in_ort(AFTER + 4)
+
+
+@HOT_SHAPES
+@pytest.mark.usefixtures("layer")
+def test_a_later_shape_that_repeats_earns_a_static_graph_beside_the_dynamic_one() -> None:
+    twins = _Twins()
+    twins.step((2, 4, 16))
+    for _ in range(AFTER + 2):
+        twins.step((3, 5, 16))
+    stats = class_stats(Layer)
+    assert (stats.exports, stats.static_shape_graphs) == (3, 2)
+    assert stats.rebuilds == {
+        "new input shape": 1,
+        f"input shape repeated {AFTER} calls: a static-shape graph for it": 1,
+    }
+    _assert_all_in_ort(AFTER + 3)
 
 
 @HOT_SHAPES
@@ -192,12 +237,14 @@ def test_other_shapes_use_the_dynamic_graph_and_the_hot_shape_keeps_its_own() ->
 
 @HOT_SHAPES
 @pytest.mark.usefixtures("layer_after_3")
-def test_a_new_length_every_call_earns_no_static_graph() -> None:
+def test_a_new_length_every_call_takes_the_dynamic_graph_from_the_second_call() -> None:
     twins = _Twins()
     for length in range(2, 14):
         twins.step((2, length, 16))
     stats = class_stats(Layer)
-    assert (stats.exports, stats.static_shape_graphs) == (1, 0)
+    # the first call's static graph, then the dynamic one for every other length
+    assert (stats.exports, stats.static_shape_graphs) == (2, 1)
+    assert stats.rebuilds == {"new input shape": 1}
     _assert_all_in_ort(12)
 
 
@@ -209,10 +256,10 @@ def test_eval_calls_between_steps_do_not_break_the_training_streak() -> None:
         twins.step((2, 6, 16))
         twins.eval_call((4, 3, 16))
     stats = class_stats(Layer)
-    # a dynamic and a static graph for training, and the same for inference (plus one build
-    # when an export teaches the attribute guards a new attribute)
+    # a static graph for training and one for inference, each at its mode's first call (plus
+    # one build when an export teaches the attribute guards a new attribute)
     assert stats.static_shape_graphs == 2
-    assert 4 <= stats.exports <= 5
+    assert 2 <= stats.exports <= 3
     _assert_all_in_ort(8)
 
 
@@ -283,12 +330,12 @@ def test_a_static_shape_graph_draws_new_dropout_masks_every_call() -> None:
     model = Dropped()
     engine = Engine(model, EngineOptions(static_after=2))
     x = torch.randn(32, 16)
-    outs = [engine(x) for _ in range(5)]
-    assert [r.hot_shape for r in engine.records] == [False, True]
-    masks = [(o == 0) for o in outs[2:]]  # the static graph's calls
+    outs = [engine(x) for _ in range(3)]
+    assert [r.hot_shape for r in engine.records] == [True]  # the first call's static graph
+    masks = [(o == 0) for o in outs]
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
     kept = model.fc(x).detach() * 2
-    for out, mask in zip(outs[2:], masks, strict=True):
+    for out, mask in zip(outs, masks, strict=True):
         assert 0.4 < mask.float().mean().item() < 0.6
         torch.testing.assert_close(out[~mask].detach(), kept[~mask])
     model.eval()

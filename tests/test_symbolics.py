@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torch.onnx._internal.torchscript_exporter import registration
 
 from ort_autopatch.engine import ModuleEngine, symbolics
-from tests.helpers import assert_training_parity, plain_backend
+from tests.helpers import assert_training_parity
 
 
 class Attention(nn.Module):
@@ -58,7 +58,7 @@ def test_grouped_query_attention_repeats_kv_heads_like_eager() -> None:
         Attention(heads=4, kv_heads=2),
         lambda step: ((torch.randn(2, 5 + step, 16),), {}),
         steps=3,
-        expect_builds=2 if plain_backend() else 1,  # plain: the first length's, then symbolic
+        expect_builds=2,  # the first length's, then one for every length
     )
 
 

@@ -167,19 +167,18 @@ class Builder:
     def _uses_arena(self, miss: Miss) -> bool:
         """Whether the graph allocates from the shared arena (`memory_arena`): one that serves
         input shapes that repeat, whose steps ask for the same sizes every time. A static-shape
-        graph a repeated shape earned (`Miss.hot`) does; of the other graphs that serve one
-        shape (`Miss.one_shape`: sizes a trace froze, a plain-backend graph of exact sizes)
-        only those of the module's first shape do, since its shapes may vary every step: an
-        arena grown for each new size keeps every size's buffers (1.4 GiB over 4 sizes of 64
-        MiB inputs), where plain allocations are freed with the step's tensors."""
+        graph (`Miss.hot`: the first call's shapes, or a shape that came back) does; of the
+        other graphs that serve one shape (`Miss.one_shape`: sizes a trace froze, a
+        plain-backend graph of exact sizes) only those of the module's first shape do, since
+        its shapes may vary every step: an arena grown for each new size keeps every size's
+        buffers (1.4 GiB over 4 sizes of 64 MiB inputs), where plain allocations are freed
+        with the step's tensors."""
         if not self.options.memory_arena or not miss.one_shape():
             return False
-        if miss.hot is not None:
-            return True
         shapes = miss.call.shapes()
         if self._arena_shapes is None:
             self._arena_shapes = shapes
-        return self._arena_shapes == shapes
+        return miss.hot is not None or self._arena_shapes == shapes
 
     def _instantiate(self, recipe: Recipe, miss: Miss, progress: _Progress) -> Entry:
         """Sessions for a recipe, bound to this module's tensors (`_uses_arena` says where

@@ -34,7 +34,9 @@ from ort_autopatch.engine.errors import (
     BuildOverBudget,
     EngineError,
     ExecutionError,
+    GradientBuildError,
     MixedDevicesError,
+    SessionError,
 )
 from ort_autopatch.engine.recipe import BuildRecord, EngineOptions, Miss, Recipe
 from ort_autopatch.engine.sizes import SizeClasses, SizeGuards
@@ -43,6 +45,9 @@ from ort_autopatch.engine.state import ModuleState
 __all__ = ["BuildRecord", "EngineOptions", "ModuleEngine", "Recipe"]
 
 log = logging.getLogger("ort_autopatch")
+
+#: Failures of ONNX Runtime over a static-shape graph that its dynamic graph may not have
+_STATIC_GRAPH_FAILURES = (GradientBuildError, SessionError)
 
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -88,7 +93,6 @@ class ModuleEngine:
         self._state = ModuleState(module)
         self._keys = KeyMaker(self._state, guards)
         self._per_shape = False  # every graph serves one input shape (sizes were traced)
-        self._hot = HotShapes(self.options.static_after, HOT_SHAPES_PER_MODE)
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
         self.verifications: list[verify.Verification] = []  # --verify's comparisons
@@ -102,6 +106,10 @@ class ModuleEngine:
         self._per_shape = backend.per_shape
         # graphs carry size guards (`Backend.guarded`): a call is admitted by them
         self._guarded = backend.guarded
+        # a guarded backend traces its first graph for the call's sizes by itself
+        self._hot = HotShapes(
+            self.options.static_after, HOT_SHAPES_PER_MODE, first=not self._guarded
+        )
         self._sizes = SizeClasses()
         self._builder = Builder(
             self._cls,
@@ -259,8 +267,15 @@ class ModuleEngine:
         except EngineError as exc:
             if hot is None or self._per_shape:
                 raise
-            # The static-shape graph this shape earned cannot be built (ORT rejects it): the
-            # dynamic graph keeps serving the shape.
+            dynamic = self._key(grad, call, requires, None, autocast)
+            if not (self._cache.holds(dynamic) or isinstance(exc, _STATIC_GRAPH_FAILURES)):
+                # The trace refused the call (a mode's first call, whose static-shape graph
+                # comes before the dynamic one): the dynamic trace would refuse it as well, so
+                # the failure stands for both, and the shape keeps its claim on a static graph.
+                self._cache.fail(dynamic, exc)
+                raise
+            # ONNX Runtime refused the static-shape graph itself, or the dynamic graph is
+            # there: the dynamic graph serves these shapes.
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
             self._hot.refuse(mode, hot)
             key, entry = self._entry(module, state, call, grad, requires, None, autocast)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ort_autopatch import patcher, report
-from tests.helpers import patched, plain_backend
+from tests.helpers import patched
 from tests.reliability.models import Mlp
 
 TIMEOUT = 120
@@ -104,10 +104,8 @@ def test_two_threads_sharing_one_instance_compute_what_serial_calls_compute() ->
             torch.testing.assert_close(out, expected[k][0])
             torch.testing.assert_close(grad, expected[k][1])
     records = patcher._instances[model].engine.records
-    # one dynamic graph; the shape both threads repeat earns its static graph once (the plain
-    # backend: the first call's shapes have their own graph, none earned twice)
-    hot = [r.hot_shape for r in records]
-    assert hot.count(True) <= 1 if plain_backend() else hot == [False, True]
+    # the one shape both threads send has its graph, built once
+    assert len(records) == 1
 
 
 def test_exports_in_two_threads_run_one_after_the_other() -> None:

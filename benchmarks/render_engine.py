@@ -45,6 +45,15 @@ def _source(results: dict[str, Any], file: str, build: str) -> str:
     )
 
 
+def _runs(*results: dict[str, Any]) -> str:
+    """Which fresh processes a first call comes from: the median of several since they were
+    measured so, one before."""
+    counts = sorted({int(r["environment"].get("fresh_runs", 1)) for r in results})
+    if counts == [1]:
+        return "in one fresh process"
+    return f"the median of {' and '.join(str(c) for c in counts)} fresh processes"
+
+
 def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
     """The markdown block: one row per model, each backend's ratios and first call, and where
     the numbers come from."""
@@ -63,8 +72,9 @@ def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
     env = training["environment"]
     lines.append("")
     lines.append(
-        "Step time ORT/eager; first call: capture or export, gradient graph and sessions (the "
-        "`ort` backend's first call also runs eagerly for its check) in a fresh process. "
+        "Step time ORT/eager; first call: capture or export, gradient graph, sessions and the "
+        "first step (the `ort` backend's first call also runs eagerly for its check), "
+        f"{_runs(training, plain)}. "
         f"torch {env['torch']}, {env['cpu_count']} CPUs; "
         f"{_source(training, '`engine.json`', 'onnxruntime-training')}; "
         f"{_source(plain, '`plain.json`', 'onnxruntime')}."

@@ -750,3 +750,20 @@ def test_a_training_call_under_functorch_transforms_takes_torch_s_own_path(trans
         return
     with pytest.raises(RuntimeError, match="it must override the setup_context staticmethod"):
         transform(engine, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+def test_settings_set_on_an_engine_make_the_sessions_it_builds_next(tmp_path) -> None:
+    """`ModuleEngine.settings` decides how the sessions of graphs built from then on are made:
+    the benchmarks' alternatives (threads, spinning, optimisation level) and ORT's profiler go
+    through it."""
+    import dataclasses
+
+    from ort_autopatch.engine import session
+
+    engine = ModuleEngine(nn.Linear(4, 4))
+    engine.settings = dataclasses.replace(engine.settings, profile_prefix=str(tmp_path / "ort"))
+    engine(torch.randn(2, 4)).sum().backward()
+    profiles = session.end_profiles()
+    assert profiles and all(p.startswith(str(tmp_path)) for p in profiles)

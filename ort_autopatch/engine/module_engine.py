@@ -100,7 +100,6 @@ class ModuleEngine:
         # (grad mode, train flag, autocast state) -> key last used
         self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
         self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
-        self.settings = session.SessionSettings(self.options.threads)
         backend = backends.choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
         self._per_shape = backend.per_shape
@@ -124,11 +123,20 @@ class ModuleEngine:
                 self.options.opset,
                 guards,
             ),
-            self.settings,
+            session.SessionSettings(self.options.threads),
             self._on_backward_failure,
         )
         self.records: list[BuildRecord] = self._builder.records
         self.hazards: list[hazards.Hazard] = self._backend.hazards  # trace hazards found
+
+    @property
+    def settings(self) -> session.SessionSettings:
+        """How the sessions of graphs built from now on are made (the builder's)."""
+        return self._builder.settings
+
+    @settings.setter
+    def settings(self, settings: session.SessionSettings) -> None:
+        self._builder.settings = settings
 
     def _on_backward_failure(self, error: ExecutionError) -> None:
         """A training graph's backward failed: no training call runs in ORT from now on (each

@@ -767,3 +767,4 @@ def test_settings_set_on_an_engine_make_the_sessions_it_builds_next(tmp_path) ->
     engine(torch.randn(2, 4)).sum().backward()
     profiles = session.end_profiles()
     assert profiles and all(p.startswith(str(tmp_path)) for p in profiles)
+    assert session.end_profiles() == []  # ended already: no second file, no empty name

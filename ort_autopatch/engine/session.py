@@ -54,8 +54,10 @@ def live_sessions() -> int:
 
 
 def end_profiles() -> list[str]:
-    """Stop ORT's profiler in every live session built with `profile_prefix`; the JSON files."""
-    return [s.end_profiling() for s in list(_live) if s.get_session_options().enable_profiling]
+    """Stop ORT's profiler in every live session built with `profile_prefix`; the JSON files
+    (a session whose profile was ended before writes none: ORT answers an empty name)."""
+    ended = (s.end_profiling() for s in list(_live) if s.get_session_options().enable_profiling)
+    return [path for path in ended if path]
 
 
 def _session_options(settings: SessionSettings, training: bool) -> Any:

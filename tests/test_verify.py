@@ -124,6 +124,58 @@ def test_a_wrong_graph_is_refused_even_where_eager_is_that_sensitive(
     assert verification is not None and verification.spread_rel is not None
 
 
+class _Cancelling(torch.nn.Module):
+    """x * w * ((big + 0.3) - big) / 0.3: 1 in exact arithmetic, 1 +- 2e-3 in float32 (the
+    rounding of big + 0.3), whatever the inputs and parameters are nudged by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+        self.register_buffer("big", torch.full((8,), 12345.678))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w * (((self.big + 0.3) - self.big) / 0.3)
+
+
+def test_eagers_sensitivity_to_each_operators_rounding_counts_as_its_spread() -> None:
+    """A graph whose kernels round an intermediate otherwise (here: not at all) differs from
+    eager beyond the strict tolerance while nudged inputs barely move eager: the rounding
+    noise put into every operator's result measures eager's real sensitivity."""
+    torch.manual_seed(0)
+    module = _Cancelling()
+    big = module.big.double()
+
+    def graph(tensors: list[torch.Tensor]) -> torch.Tensor:  # the intermediate in float64
+        return tensors[0] * module.w * (((big + 0.3) - big) / 0.3).float()
+
+    result = verify.verify_call(
+        "Cancelling",
+        module,
+        graph,
+        lambda tensors: module(tensors[0]),
+        [torch.randn(4, 8)],
+        list(module.parameters()),
+        True,
+    )
+    assert result.mismatch is None and result.output_rel > verify.RTOL
+    assert result.spread_rel is not None and result.spread_rel > verify.RTOL
+
+
+def test_a_wrong_graph_is_refused_where_eager_is_sensitive_to_each_operators_rounding() -> None:
+    torch.manual_seed(0)
+    module = _Cancelling()
+    with pytest.raises(verify.VerificationError, match="eager's own spread"):
+        verify.verify_call(
+            "Cancelling",
+            module,
+            lambda tensors: module(tensors[0]) * 1.5,
+            lambda tensors: module(tensors[0]),
+            [torch.randn(4, 8)],
+            list(module.parameters()),
+            True,
+        )
+
+
 def test_measuring_eagers_spread_leaves_the_parameters_bit_for_bit() -> None:
     torch.manual_seed(0)
     module = _Sensitive()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
 from typing import Any
 
 import pytest
@@ -51,12 +52,22 @@ def _train(out: pathlib.Path, options: list[str], modules: str | None) -> dict[s
         report = str(out / "report-{rank}.json")
         launcher = ["-m", "ort_autopatch", "--modules", modules, "--report", report]
     args = [str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *options]
-    result = run(
-        [*torchrun(), *rendezvous(), *launcher, *args],
-        cwd=out.parent,
-        timeout=180,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+
+    def torchrun_once() -> subprocess.CompletedProcess[str]:
+        return run(
+            [*torchrun(), *rendezvous(), *launcher, *args],
+            cwd=out.parent,
+            timeout=180,
+            env={"OMP_NUM_THREADS": "1"},
+        )
+
+    result = torchrun_once()
+    if modules is None and _aborted_in_teardown(result, out):
+        # Eager FSDP2 alone (no tool in the process): once in a CI run, both ranks wrote all
+        # their results and then aborted as gloo's threads were torn down, a torch problem
+        # (pytorch/pytorch#179291 describes it). The reference is run again; a run through
+        # the tool never is.
+        result = torchrun_once()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     ranks = [torch.load(out / f"params-{rank}.pt") for rank in (0, 1)]
     for name in ranks[0]:
@@ -72,6 +83,22 @@ def _train(out: pathlib.Path, options: list[str], modules: str | None) -> dict[s
         "reports": reports,
         "stderr": result.stderr,
     }
+
+
+def _aborted_in_teardown(result: subprocess.CompletedProcess[str], out: pathlib.Path) -> bool:
+    """Every rank wrote its results, then std::terminate ended it (SIGABRT)."""
+    written = all(
+        (out / f"{kind}-{rank}.{ext}").exists() for kind, ext in _OUTPUTS for rank in (0, 1)
+    )
+    return (
+        result.returncode != 0
+        and written
+        and "terminate called without an active exception" in result.stderr
+        and "exitcode  : -6" in result.stderr
+    )
+
+
+_OUTPUTS = (("params", "pt"), ("run", "json"))
 
 
 def _initial() -> dict[str, torch.Tensor]:

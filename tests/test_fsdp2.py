@@ -88,7 +88,7 @@ def _train(out: pathlib.Path, options: list[str], modules: str | None) -> dict[s
 def _aborted_in_teardown(result: subprocess.CompletedProcess[str], out: pathlib.Path) -> bool:
     """Every rank wrote its results, then std::terminate ended it (SIGABRT)."""
     written = all(
-        (out / f"{kind}-{rank}.{ext}").exists() for kind, ext in _OUTPUTS for rank in (0, 1)
+        (out / name).exists() for r in (0, 1) for name in (f"params-{r}.pt", f"run-{r}.json")
     )
     return (
         result.returncode != 0
@@ -96,9 +96,6 @@ def _aborted_in_teardown(result: subprocess.CompletedProcess[str], out: pathlib.
         and "terminate called without an active exception" in result.stderr
         and "exitcode  : -6" in result.stderr
     )
-
-
-_OUTPUTS = (("params", "pt"), ("run", "json"))
 
 
 def _initial() -> dict[str, torch.Tensor]:

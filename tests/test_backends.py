@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ort_autopatch.engine import EngineOptions, backends, signature
+from ort_autopatch.engine import EngineOptions, backends, calls, signature
 from ort_autopatch.engine.backends.ort_training import TrainingBuild
 from ort_autopatch.engine.errors import UnsupportedInputError
 
@@ -83,7 +83,6 @@ class _TorchBackend(backends.Backend):
     def build(self, miss, progress):  # type: ignore[no-untyped-def]
         from torch.utils import _pytree as pytree
 
-        from ort_autopatch.engine import export
         from ort_autopatch.engine.recipe import Recipe
 
         _, spec = pytree.tree_flatten(torch.zeros(1))
@@ -95,7 +94,7 @@ class _TorchBackend(backends.Backend):
             payload=_Payload(),
             feed_sources=sources,
             num_user_outputs=1,
-            output_spec=export.OutputSpec(spec, [None], [0]),
+            output_spec=calls.OutputSpec(spec, [None], [0]),
             batch_norms=[],
             seeds_dropout=False,
         )

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
-from ort_autopatch.engine import budget, export
+from ort_autopatch.engine import budget, calls, export
 from ort_autopatch.engine.errors import BuildOverBudget
 from ort_autopatch.engine.module_engine import EngineOptions, ModuleEngine
 from tests.helpers import assert_close, plain_backend
@@ -76,8 +76,8 @@ def _assert_torch_restored() -> None:
     assert torch.nn.Module._slow_forward.__qualname__ == "Module._slow_forward"
     assert exporter_utils._optimize_graph.__module__ == exporter_utils.__name__
     assert torch.jit._trace._create_interpreter_name_lookup_fn.__module__ == "torch.jit._trace"
-    assert export.EXPORT_LOCK.acquire(blocking=False)
-    export.EXPORT_LOCK.release()
+    assert calls.EXPORT_LOCK.acquire(blocking=False)
+    calls.EXPORT_LOCK.release()
 
 
 def test_a_trace_past_the_node_limit_stops_in_the_middle_of_the_trace() -> None:

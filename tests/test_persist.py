@@ -7,7 +7,7 @@ import json
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, hazards, persist, session
+from ort_autopatch.engine import calls, hazards, persist, session
 from ort_autopatch.engine.backends.ort_training import TrainingBuild, TrainingPayload
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.state import ModuleState
@@ -70,7 +70,7 @@ def test_a_recipe_survives_json_and_back() -> None:
         payload=TrainingPayload(None),
         feed_sources={"x": ("input", 0)},
         num_user_outputs=1,
-        output_spec=export.OutputSpec(spec, [None, 3], [0]),
+        output_spec=calls.OutputSpec(spec, [None, 3], [0]),
         batch_norms=[("bn", 1, 2)],
         seeds_dropout=True,
         checks=[hazards.Check(4, hazards.Hazard(hazards.SHAPE, "size", "m.py:3"))],
@@ -92,7 +92,7 @@ def test_a_recipe_another_backend_built_is_not_loaded() -> None:
         TrainingPayload(None),
         {"x": ("input", 0)},
         1,
-        export.OutputSpec(pytree.tree_flatten(torch.zeros(1))[1], [None], [0]),
+        calls.OutputSpec(pytree.tree_flatten(torch.zeros(1))[1], [None], [0]),
         [],
         False,
     )

@@ -54,7 +54,7 @@ def test_the_exporters_passes_run_under_the_export_lock(monkeypatch: pytest.Monk
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.onnx._internal.exporter import _fx_passes
 
-    from ort_autopatch.engine.export import EXPORT_LOCK
+    from ort_autopatch.engine.calls import EXPORT_LOCK
     from ort_autopatch.engine.plain import lowering
 
     free_to_others: list[bool] = []

@@ -36,7 +36,7 @@ from torch import nn
 import ort_autopatch
 from ort_autopatch import patcher, report
 from ort_autopatch.config import Config
-from ort_autopatch.engine import export
+from ort_autopatch.engine import calls
 from tests.zoo.harness import relative
 
 torchvision = pytest.importorskip("torchvision")
@@ -135,7 +135,7 @@ def _train(model: nn.Module, side: int, eager: bool, threads: int = 1) -> Run:
     """3 SGD steps and an eval forward, on the same data every run; `eager`: the model's own
     code, its selected blocks included, as without the tool."""
     torch.set_num_threads(threads)
-    context = export.stepping_aside if eager else contextlib.nullcontext
+    context = calls.stepping_aside if eager else contextlib.nullcontext
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     data = torch.Generator().manual_seed(1)
     run = Run()

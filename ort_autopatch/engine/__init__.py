@@ -37,13 +37,13 @@ from ort_autopatch.engine.errors import (  # noqa: F401  (re-exported)
 )
 
 if TYPE_CHECKING:
-    from ort_autopatch.engine.export import in_untraced_run, is_exporting  # noqa: F401
+    from ort_autopatch.engine.calls import in_untraced_run, is_exporting  # noqa: F401
     from ort_autopatch.engine.module_engine import ModuleEngine  # noqa: F401
     from ort_autopatch.engine.recipe import BuildRecord, EngineOptions  # noqa: F401
 
 _LAZY = {
-    "is_exporting": "export",
-    "in_untraced_run": "export",
+    "is_exporting": "calls",
+    "in_untraced_run": "calls",
     "BuildRecord": "recipe",
     "EngineOptions": "recipe",
     "ModuleEngine": "module_engine",

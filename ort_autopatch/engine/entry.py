@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import bridge, export, signature
+from ort_autopatch.engine import bridge, calls, signature
 from ort_autopatch.engine.backends import Program
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.recipe import Recipe
@@ -53,7 +53,7 @@ class Entry:
                     before.undo()
                     raise Specialises(check.hazard.where)
         result = self.recipe.output_spec.rebuild(outputs)
-        if type(result) is export.BufferUpdates:
+        if type(result) is calls.BufferUpdates:
             with torch.no_grad():
                 for name, value in result.buffers.items():
                     tensors[state.index[name]].copy_(value)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import export, hazards, runtime
+from ort_autopatch.engine import calls, hazards, runtime
 from ort_autopatch.engine.backends import Backend
 from ort_autopatch.engine.callkey import CallKey, Guards
 from ort_autopatch.engine.recipe import Recipe
@@ -170,7 +170,7 @@ def recipe_from(stored: StoredEntry, cls: str, backend: type[Backend]) -> Recipe
     """A recipe from a stored entry, or None (with a warning) when the entry does not fit."""
     meta = stored.meta
     try:
-        spec = export.OutputSpec(
+        spec = calls.OutputSpec(
             pytree.treespec_loads(meta["output_treespec"]),
             list(meta["output_leaves"]),
             [int(p) for p in meta["output_positions"]],

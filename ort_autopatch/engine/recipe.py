@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import export, hazards
+from ort_autopatch.engine import calls, hazards
 from ort_autopatch.engine.callkey import Shapes
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.sizes import Dims, SizeGuards
@@ -89,7 +89,7 @@ class Recipe:
     # graph input name -> ("input", flat tensor index) or ("state", qualified tensor name)
     feed_sources: dict[str, tuple[str, Any]]
     num_user_outputs: int
-    output_spec: export.OutputSpec
+    output_spec: calls.OutputSpec
     batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
     seeds_dropout: bool
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch

@@ -12,8 +12,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine import trees
+from ort_autopatch.engine.calls import CallSpec
 from ort_autopatch.engine.errors import MixedDevicesError, UnsupportedInputError
-from ort_autopatch.engine.export import CallSpec
 
 _CONSTANT_TYPES = (
     type(None),

@@ -24,7 +24,7 @@ def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
     """Set `owner.name = value` and put back exactly what was there (or nothing).
 
     Not safe against another thread swapping the same attribute (restores could interleave):
-    callers run inside an export, which holds `export.EXPORT_LOCK`."""
+    callers run inside an export, which holds `calls.EXPORT_LOCK`."""
     # a class's own __dict__ only: an inherited attribute must stay inherited afterwards
     before = (
         owner.__dict__.get(name, _MISSING)

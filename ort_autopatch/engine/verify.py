@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ort_autopatch.engine import trees
+from ort_autopatch.engine import calls, trees
 from ort_autopatch.engine.errors import EngineError, FailureKind
 from ort_autopatch.engine.random_ops import ONNX as RANDOM_ONNX_OPS
 
@@ -452,7 +452,7 @@ def verify_entry(
 ) -> Verification:
     """`verify_call` for one call of a cached graph (`forward(module, *args, **kwargs)` is the
     eager side); a graph with random operators is reported as not verified."""
-    from ort_autopatch.engine import export, graph, signature
+    from ort_autopatch.engine import graph, signature
 
     random = random_ops(graph.load(entry.recipe.forward_model))
     if random:
@@ -466,7 +466,7 @@ def verify_entry(
     def run_eager(tensors: list[torch.Tensor]) -> Any:
         args, kwargs = spec.rebuild(tensors)
         # selected submodules run their eager code too; its reads guard nothing
-        with export.stepping_aside(), export.untraced_run():
+        with calls.stepping_aside(), calls.untraced_run():
             return forward(module, *args, **kwargs)
 
     trainable = [p for p in state.params if p.requires_grad] if grad else []

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import bridge, export, hazards, runtime, session, tracing
+from ort_autopatch.engine import bridge, calls, hazards, runtime, session, tracing
 from ort_autopatch.engine.backends import Backend, Progress
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
@@ -347,9 +347,9 @@ class PlainBuild(Backend):
             # function runs as it is (the same values), as in the trace
             args, kwargs = spec.rebuild(tensors)
             with (
-                export.EXPORT_LOCK,
-                export.stepping_aside(),
-                export.untraced_run(),  # its reads guard nothing
+                calls.EXPORT_LOCK,
+                calls.stepping_aside(),
+                calls.untraced_run(),  # its reads guard nothing
                 tracing.checkpoint_through_function(),
             ):
                 return forward(module, *args, **kwargs)

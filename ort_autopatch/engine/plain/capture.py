@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import budget, export, tracing
+from ort_autopatch.engine import budget, calls, tracing
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
 from ort_autopatch.engine.plain import draws
 
@@ -45,7 +45,7 @@ class Captured:
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule | None  # None: nothing needs a gradient
     feeds: list[Feed]  # per joint input (the forward graph's placeholders, in order)
-    output_spec: export.OutputSpec
+    output_spec: calls.OutputSpec
     num_user_outputs: int
     #: forward outputs that are a buffer's new value: output index -> qualified buffer name
     mutations: dict[int, str]
@@ -79,13 +79,13 @@ class _Flat(torch.nn.Module):
         return self.forward(*tensors)
 
     def __init__(
-        self, module: torch.nn.Module, forward: Callable[..., Any], spec: export.CallSpec
+        self, module: torch.nn.Module, forward: Callable[..., Any], spec: calls.CallSpec
     ) -> None:
         super().__init__()
         self.m = module
         self._call = forward
         self._spec = spec
-        self.output_spec: export.OutputSpec | None = None
+        self.output_spec: calls.OutputSpec | None = None
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -115,7 +115,7 @@ class _Flat(torch.nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._spec.rebuild(tensors)
         result = self._call(self.m, *args, **kwargs)
-        self.output_spec, outputs = export.OutputSpec.of(result)
+        self.output_spec, outputs = calls.OutputSpec.of(result)
         return tuple(outputs)
 
 
@@ -270,7 +270,7 @@ def composites_replaced(decompositions: Mapping[Any, Callable[..., Any]]) -> Ite
     aot_autograd traces under the Python dispatcher, which takes them in place of ATen's,
     and autograd differentiates what they call. Process-wide while it lasts, but read only
     where the Python dispatcher is on (a trace; torch.compile in another thread meanwhile
-    would trace the same values); callers hold `export.EXPORT_LOCK`. Put back as found."""
+    would trace the same values); callers hold `calls.EXPORT_LOCK`. Put back as found."""
     key = torch._C.DispatchKey.CompositeImplicitAutograd
     replaced = [
         (op, kernel)
@@ -303,7 +303,7 @@ def load_tracer() -> None:
 def capture(
     module: torch.nn.Module,
     forward: Callable[..., Any],
-    spec: export.CallSpec,
+    spec: calls.CallSpec,
     tensors: Sequence[torch.Tensor],
     cls: str,
     decompositions: dict[Any, Callable[..., Any]],
@@ -319,10 +319,10 @@ def capture(
     flat = _Flat(module, forward, spec)
     try:
         with (
-            export.EXPORT_LOCK,  # the rewrites below rebind process-wide state
-            export.preserved_state(module),  # forward's Python RNG draws, a failed trace's writes
+            calls.EXPORT_LOCK,  # the rewrites below rebind process-wide state
+            calls.preserved_state(module),  # forward's Python RNG draws, a failed trace's writes
             contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
-            export.stepping_aside(),
+            calls.stepping_aside(),
             tracing.export_rewrites(),
             _math_attention(),
             _traceable_batch_norms(module),

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine.calls import EXPORT_LOCK
 from ort_autopatch.engine.errors import ExportError
-from ort_autopatch.engine.export import EXPORT_LOCK
 
 OPSET = 18  # torchlib's own opset: its functions are written for it
 

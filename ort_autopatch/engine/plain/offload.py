@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ort_autopatch.engine import sandbox
+from ort_autopatch.engine import calls, sandbox
 
 if TYPE_CHECKING:
     from ort_autopatch.engine.plain.program import Graphs
@@ -346,13 +346,12 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
     # no collections: the child lives for one build, and its imports and translation make
     # objects by the hundred thousand (0.05 s of collections measured in the imports alone)
     gc.disable()
-    from ort_autopatch.engine import export
     from ort_autopatch.engine.plain import lowering, program
 
     # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
     # thread pool (libgomp's) does not survive a fork
     torch.set_num_threads(1)
-    export.EXPORT_LOCK = lowering.EXPORT_LOCK = threading.RLock()  # maybe held at fork
+    calls.EXPORT_LOCK = lowering.EXPORT_LOCK = threading.RLock()  # maybe held at fork
     lowering._lock = threading.Lock()
     send(_implemented_names())
     _warm_up()

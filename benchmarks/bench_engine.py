@@ -370,7 +370,7 @@ def main(
     # that wants it: timed here on its own, so the first calls below are every later run's.
     # (the plain backend's graphs call no ATen executor)
     if args.backend == "ort-training":
-        from ort_autopatch.engine.torch_in_graph import aten_executor
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
         start = time.perf_counter()
         folder = aten_executor.default_folder()

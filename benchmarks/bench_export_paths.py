@@ -160,7 +160,8 @@ def export_overhead(repeat: int = 5) -> dict[str, Any]:
     export as it was before (no recording), median of `repeat` interleaved exports."""
     import contextlib
 
-    from ort_autopatch.engine import export, hazards, signature
+    from ort_autopatch.engine import hazards, signature
+    from ort_autopatch.engine.backends.ort_training import export
 
     @contextlib.contextmanager
     def unrecorded() -> Any:

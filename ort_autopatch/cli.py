@@ -482,7 +482,7 @@ def _executor_status(config: Config) -> str:
     without it (a run would build it in the background, its first graphs without it)."""
     if not config.compile_executor:
         return "off (--no-compile-executor): gradient nodes call torch through Python"
-    from ort_autopatch.engine.torch_in_graph import aten_executor
+    from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
     try:
         return f"ready ({aten_executor.build(aten_executor.default_folder())})"

@@ -33,7 +33,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    from ort_autopatch.engine.torch_in_graph import aten_executor
+    from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
     if aten_executor.compiler() is not None:
         aten_executor.build(aten_executor.default_folder())

@@ -29,7 +29,7 @@ class PlainCall:
         *args: Any,
         table: dict[Any, Callable[..., Any]] | None = None,
     ) -> None:
-        from ort_autopatch.engine.plain import capture, decompositions, program
+        from ort_autopatch.engine.backends.ort import capture, decompositions, program
 
         self.module = module
         call = signature.flatten_call("M", args, {})

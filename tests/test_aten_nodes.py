@@ -16,7 +16,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ort_autopatch.engine import runtime
-from ort_autopatch.engine.torch_in_graph import aten_build, aten_executor
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_build, aten_executor
 
 pytestmark = pytest.mark.skipif(
     runtime.resolve() == "ort",
@@ -98,7 +98,7 @@ def test_a_failing_operator_fails_the_run_with_torchs_message() -> None:
 _BUILD = """
 import sys
 from pathlib import Path
-from ort_autopatch.engine.torch_in_graph import aten_executor
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 print(aten_executor.build(Path(sys.argv[1])))
 """
 
@@ -195,7 +195,7 @@ import copy, logging, sys, time
 from pathlib import Path
 import onnx, torch
 from ort_autopatch.engine import EngineOptions, ModuleEngine
-from ort_autopatch.engine.torch_in_graph import aten_build, aten_executor
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_build, aten_executor
 
 logging.basicConfig(level=logging.INFO)
 torch.manual_seed(0)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ort_autopatch.engine import EngineOptions, backends, calls, signature
-from ort_autopatch.engine.backends.ort_training import TrainingBuild
+from ort_autopatch.engine import EngineOptions, calls, signature
+from ort_autopatch.engine import backend as backends
+from ort_autopatch.engine.backends.ort_training.backend import OrtTrainingBackend
 from ort_autopatch.engine.errors import UnsupportedInputError
 
 
@@ -19,11 +20,11 @@ def test_every_declared_backend_is_a_backend_under_its_own_name() -> None:
 def test_auto_picks_the_training_build_where_it_is_installed_else_the_plain_one() -> None:
     from importlib import metadata
 
-    from ort_autopatch.engine.backends.ort import PlainBuild
+    from ort_autopatch.engine.backends.ort.backend import OrtBackend
 
     installed = {d.metadata["Name"].lower() for d in metadata.distributions()}
     training = bool(installed & {"onnxruntime-training", "onnxruntime-training-cpu"})
-    expected = TrainingBuild if training else PlainBuild
+    expected = OrtTrainingBackend if training else OrtBackend
     assert expected.unavailable() is None
     assert backends.choose() is expected and backends.choose("auto") is expected
 
@@ -34,7 +35,7 @@ def test_an_unknown_backend_name_is_refused() -> None:
 
 
 def test_the_training_build_refuses_an_empty_training_batch() -> None:
-    backend = TrainingBuild("Net", EngineOptions(), lambda m, *a, **k: m(*a, **k))
+    backend = OrtTrainingBackend("Net", EngineOptions(), lambda m, *a, **k: m(*a, **k))
     call = signature.flatten_call("Net", (torch.zeros(0, 3),), {}, True)
     with pytest.raises(UnsupportedInputError, match="empty"):
         backend.refuse(call)

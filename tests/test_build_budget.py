@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
-from ort_autopatch.engine import budget, calls, export
+from ort_autopatch.engine import budget, calls
+from ort_autopatch.engine.backends.ort_training import export
 from ort_autopatch.engine.errors import BuildOverBudget
 from ort_autopatch.engine.module_engine import EngineOptions, ModuleEngine
 from tests.helpers import assert_close, plain_backend
@@ -56,7 +57,7 @@ def _exports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the engine's exports (the plain backend's: its traces)."""
     made: list[int] = []
     if plain_backend():
-        from ort_autopatch.engine.plain import capture as where
+        from ort_autopatch.engine.backends.ort import capture as where
 
         name = "capture"
     else:

@@ -23,7 +23,7 @@ from ort_autopatch.engine import (
     UnsupportedInputError,
     runtime,
 )
-from ort_autopatch.engine import export as engine_export
+from ort_autopatch.engine.backends.ort_training import export as engine_export
 from tests.helpers import assert_close, assert_state_equal, plain_backend, snapshot_state
 
 #: the plain backend traces one graph per input shape (the training build's graphs take any)
@@ -381,7 +381,7 @@ def test_build_failure_is_remembered_not_retried(monkeypatch: pytest.MonkeyPatch
 
     attempts = []
     if PLAIN:
-        from ort_autopatch.engine.plain import capture as where
+        from ort_autopatch.engine.backends.ort import capture as where
 
         name = "capture"
     else:

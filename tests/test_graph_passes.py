@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from ort_autopatch.engine import graph
+from ort_autopatch.engine.backends.ort_training import graph
 from tests.helpers import plain_backend
 
 #: GatherGrad is the training build's gradient operator (com.microsoft), which these tests run

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ort_autopatch.engine import heap
+from ort_autopatch.engine.backends.ort_training import heap
 
 glibc = pytest.mark.skipif(heap._glibc() is None, reason="glibc's malloc")
 
@@ -16,7 +16,7 @@ glibc = pytest.mark.skipif(heap._glibc() is None, reason="glibc's malloc")
 # faults that took: each fresh page faults once (2048 pages), a resident one never.
 _FAULTS = """
 import ctypes, resource, sys
-from ort_autopatch.engine import heap
+from ort_autopatch.engine.backends.ort_training import heap
 if sys.argv[1] == "prefault":
     with heap.FirstStepPages(limit=8 << 20) as pages:
         while pages.more():

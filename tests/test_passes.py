@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from ort_autopatch.engine import passes
+from ort_autopatch.engine.backends.ort_training import passes
 
 
 def _model() -> onnx.ModelProto:

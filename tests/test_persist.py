@@ -8,7 +8,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine import calls, hazards, persist, session
-from ort_autopatch.engine.backends.ort_training import TrainingBuild, TrainingPayload
+from ort_autopatch.engine.backends.ort_training.backend import (
+    OrtTrainingBackend,
+    OrtTrainingPayload,
+)
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.state import ModuleState
 from ort_autopatch.engine.store import StoredEntry
@@ -64,10 +67,10 @@ def _forward() -> bytes:
 def test_a_recipe_survives_json_and_back() -> None:
     _, spec = pytree.tree_flatten((torch.zeros(1), 3))
     recipe = Recipe(
-        backend=TrainingBuild.name,
+        backend=OrtTrainingBackend.name,
         has_backward=False,
         forward_model=_forward(),
-        payload=TrainingPayload(None),
+        payload=OrtTrainingPayload(None),
         feed_sources={"x": ("input", 0)},
         num_user_outputs=1,
         output_spec=calls.OutputSpec(spec, [None, 3], [0]),
@@ -79,7 +82,7 @@ def test_a_recipe_survives_json_and_back() -> None:
     meta = persist.meta_of(recipe)
     assert meta is not None
     stored = StoredEntry(json.loads(json.dumps(meta)), persist.graphs_of(recipe))
-    back = persist.recipe_from(stored, "Net", TrainingBuild)
+    back = persist.recipe_from(stored, "Net", OrtTrainingBackend)
     assert back is not None
     assert back == recipe
 
@@ -89,7 +92,7 @@ def test_a_recipe_another_backend_built_is_not_loaded() -> None:
         "ort",
         False,
         _forward(),
-        TrainingPayload(None),
+        OrtTrainingPayload(None),
         {"x": ("input", 0)},
         1,
         calls.OutputSpec(pytree.tree_flatten(torch.zeros(1))[1], [None], [0]),
@@ -99,15 +102,15 @@ def test_a_recipe_another_backend_built_is_not_loaded() -> None:
     meta = persist.meta_of(recipe)
     assert meta is not None
     assert (
-        persist.recipe_from(StoredEntry(meta, persist.graphs_of(recipe)), "N", TrainingBuild)
+        persist.recipe_from(StoredEntry(meta, persist.graphs_of(recipe)), "N", OrtTrainingBackend)
         is None
     )
 
 
 def test_a_gradient_payload_round_trips() -> None:
     gradient = session.GradientGraph(_forward(), 2, 1, [1], [0], {"x": "x_grad"})
-    payload = TrainingPayload(gradient, optimized=None)
-    back = TrainingBuild.payload_from(
+    payload = OrtTrainingPayload(gradient, optimized=None)
+    back = OrtTrainingBackend.payload_from(
         json.loads(json.dumps(payload.meta())), {"forward": _forward(), **payload.graphs()}
     )
     assert back == payload

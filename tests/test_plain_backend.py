@@ -110,7 +110,7 @@ def test_transposes_that_undo_each_other_are_the_feed_itself_and_others_are_kept
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.plain import capture
+    from ort_autopatch.engine.backends.ort import capture
 
     w = torch.arange(float(torch.Size(shape).numel())).view(shape)
     assert torch.equal(chain(w), w) is identity
@@ -134,7 +134,7 @@ def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.plain import capture
+    from ort_autopatch.engine.backends.ort import capture
 
     x = torch.randn(2, 3, 4)
     gm = make_fx(lambda x: reduce(x) * 2)(x)
@@ -193,7 +193,7 @@ def test_the_exporters_silent_mistranslations_are_caught_against_eager(
     hard-coded off (running statistics instead of the batch's), nll_loss with a total weight
     of 1 (gradients batch-size times too large). Both without an error: the comparison with
     eager (which the backend's first-call check makes) must see them."""
-    from ort_autopatch.engine.plain import decompositions
+    from ort_autopatch.engine.backends.ort import decompositions
 
     dropped = getattr(torch.ops.aten, operator).default
     table = {k: v for k, v in decompositions.table().items() if k is not dropped}
@@ -385,7 +385,7 @@ def test_an_operator_without_onnx_form_is_an_export_error_naming_it() -> None:
 
 
 def _first_call(plain: PlainCall, *inputs: torch.Tensor) -> object:
-    from ort_autopatch.engine.plain import check
+    from ort_autopatch.engine.backends.ort import check
 
     def run_graph(tensors: list[torch.Tensor]) -> torch.Tensor:
         out: torch.Tensor = plain(*tensors)
@@ -437,7 +437,7 @@ def test_the_first_call_check_refuses_a_graph_that_differs_from_eager(
     are refused, and stay refused once eager's own spread on the call is measured: eager
     moves by rounding's size, these graphs by the values' size."""
     from ort_autopatch.engine import verify
-    from ort_autopatch.engine.plain import decompositions
+    from ort_autopatch.engine.backends.ort import decompositions
 
     dropped = getattr(torch.ops.aten, operator).default
     table = {k: v for k, v in decompositions.table().items() if k is not dropped}
@@ -609,7 +609,7 @@ def test_an_lstm_trains_like_eager_through_its_generic_kernels() -> None:
 def test_a_layer_drop_at_zero_leaves_no_draw_in_the_graphs_so_the_first_call_is_checked() -> None:
     """`torch.rand([]) < 0.0` is False for every draw: the trace takes eager's branch and
     the draw, read by nothing else, is not an operator of either graph."""
-    from ort_autopatch.engine.plain import check
+    from ort_autopatch.engine.backends.ort import check
 
     class LayerDrop(nn.Module):
         def __init__(self) -> None:

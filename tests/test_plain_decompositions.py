@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from ort_autopatch.engine.plain import decompositions
+from ort_autopatch.engine.backends.ort import decompositions
 
 aten = torch.ops.aten
 
@@ -143,7 +143,7 @@ def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> 
     capture puts it) the trace has neither, and the kernel is ATen's again afterwards."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.plain import capture
+    from ort_autopatch.engine.backends.ort import capture
 
     op = aten.adaptive_avg_pool2d.default
     key = torch._C.DispatchKey.CompositeImplicitAutograd

@@ -74,7 +74,7 @@ def test_a_graph_that_differs_from_eager_at_its_first_call_is_not_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from ort_autopatch.engine import verify
-    from ort_autopatch.engine.plain import decompositions
+    from ort_autopatch.engine.backends.ort import decompositions
 
     dropped = torch.ops.aten._native_batch_norm_legit_functional.default
     table = {k: v for k, v in decompositions.table().items() if k is not dropped}
@@ -114,7 +114,7 @@ def test_a_second_engine_loads_both_graphs_from_the_persistent_cache(tmp_path: P
 def test_a_graph_from_the_persistent_cache_is_not_checked_against_eager_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ort_autopatch.engine.plain import check
+    from ort_autopatch.engine.backends.ort import check
 
     checks = []
     first_call = check.first_call

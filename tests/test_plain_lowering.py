@@ -15,13 +15,13 @@ pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
 def _full_registry() -> Any:
     from torch.onnx._internal.exporter import _registration
 
-    from ort_autopatch.engine.plain import lowering
+    from ort_autopatch.engine.backends.ort import lowering
 
     return _registration.ONNXRegistry.from_torchlib(lowering.OPSET)
 
 
 def test_the_graph_registry_gives_each_operator_the_full_registrys_functions() -> None:
-    from ort_autopatch.engine.plain import lowering
+    from ort_autopatch.engine.backends.ort import lowering
 
     full = _full_registry()
     functions = full.functions
@@ -38,7 +38,7 @@ def test_the_graph_registry_gives_each_operator_the_full_registrys_functions() -
 def test_the_operators_named_as_translated_are_the_full_registrys() -> None:
     from torch.onnx._internal.exporter import _decomp
 
-    from ort_autopatch.engine.plain import lowering
+    from ort_autopatch.engine.backends.ort import lowering
 
     full = set(_decomp.get_onnx_implemented_overloads(_full_registry()))
     assert lowering.implemented() == full
@@ -54,8 +54,8 @@ def test_the_exporters_passes_run_under_the_export_lock(monkeypatch: pytest.Monk
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.onnx._internal.exporter import _fx_passes
 
+    from ort_autopatch.engine.backends.ort import lowering
     from ort_autopatch.engine.calls import EXPORT_LOCK
-    from ort_autopatch.engine.plain import lowering
 
     free_to_others: list[bool] = []
     promote = _fx_passes.insert_type_promotion_nodes

@@ -68,7 +68,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
 
 
 def _captured(module: nn.Module, *args: torch.Tensor) -> Any:
-    from ort_autopatch.engine.plain import capture, decompositions
+    from ort_autopatch.engine.backends.ort import capture, decompositions
 
     call = signature.flatten_call("M", args, {})
     return capture.capture(
@@ -83,7 +83,7 @@ def _captured(module: nn.Module, *args: torch.Tensor) -> Any:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_child_lowers_a_capture_to_the_bytes_lowering_here_gives(name: str) -> None:
-    from ort_autopatch.engine.plain import offload, program
+    from ort_autopatch.engine.backends.ort import offload, program
 
     torch.manual_seed(0)
     module, args = MODELS[name]()
@@ -105,7 +105,7 @@ def test_the_child_lowers_a_capture_to_the_bytes_lowering_here_gives(name: str) 
 def test_the_childs_operator_names_give_the_decomposition_table_of_this_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ort_autopatch.engine.plain import decompositions, offload
+    from ort_autopatch.engine.backends.ort import decompositions, offload
 
     monkeypatch.setattr(offload, "_implemented", [])  # no earlier child's answer
     lowerer = offload.Lowerer.spawn()
@@ -125,7 +125,7 @@ def test_the_childs_operator_names_give_the_decomposition_table_of_this_process(
 def test_the_operators_read_from_torchlibs_sources_give_the_same_table() -> None:
     """A trace starts from the names read from torchlib's sources, before the child has
     imported it: for the torchlib installed they decide every decomposition alike."""
-    from ort_autopatch.engine.plain import decompositions, lowering
+    from ort_autopatch.engine.backends.ort import decompositions, lowering
 
     read, imported = lowering.read_implemented(), lowering.implemented()
     assert decompositions.alike(read, imported)
@@ -151,7 +151,7 @@ def _described(partial: functools.partial[Any]) -> tuple[Any, ...]:
 def test_a_graph_with_symbolic_sizes_is_not_sent() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.plain import offload
+    from ort_autopatch.engine.backends.ort import offload
 
     gm = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.randn(3, 4))
     with pytest.raises(offload.Unsupported, match="symbolic"):
@@ -163,7 +163,7 @@ def _double(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_graph_calling_a_python_function_is_not_sent() -> None:
-    from ort_autopatch.engine.plain import offload
+    from ort_autopatch.engine.backends.ort import offload
 
     graph = torch.fx.Graph()
     graph.output(graph.call_function(_double, (graph.placeholder("x"),)))
@@ -175,7 +175,7 @@ def _first_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[Any]:
     """A transformer layer's first call, forward and backward, through a fresh engine whose
     build starts a lowering child (as a process's first build does) and against eager; what
     each build's child gave back."""
-    from ort_autopatch.engine.plain import offload
+    from ort_autopatch.engine.backends.ort import offload
 
     # a child every build, however busy the machine
     monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
@@ -214,7 +214,7 @@ def test_a_build_lowered_by_its_child_runs_in_ort_with_eagers_numbers(
 def test_a_build_whose_child_fails_lowers_here_with_eagers_numbers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from ort_autopatch.engine.plain import offload
+    from ort_autopatch.engine.backends.ort import offload
 
     def broken() -> None:
         raise RuntimeError("injected: the child's translator is broken")
@@ -231,7 +231,7 @@ def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
     named them, lowered by the child too, with eager's numbers: LayerNorm missed (the first
     trace decomposed it, and was lowered for nothing), or none read at all (a table that
     decomposes whatever torch can: the first trace fails, and is made again)."""
-    from ort_autopatch.engine.plain import lowering, offload
+    from ort_autopatch.engine.backends.ort import lowering, offload
 
     read = lowering.read_implemented()
     wrong = read - {torch.ops.aten.native_layer_norm.default} if misread == "layer_norm" else set()
@@ -249,7 +249,7 @@ def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """No child where no core is free: its extra CPU would slow both processes down."""
     import os
 
-    from ort_autopatch.engine.plain import offload
+    from ort_autopatch.engine.backends.ort import offload
 
     monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
@@ -266,7 +266,7 @@ import sys, tempfile
 import torch
 from torch import nn
 from ort_autopatch.engine import ModuleEngine
-from ort_autopatch.engine.plain import offload
+from ort_autopatch.engine.backends.ort import offload
 from ort_autopatch.engine.recipe import EngineOptions
 
 offload._core_to_spare = lambda: True  # however busy the machine running the tests

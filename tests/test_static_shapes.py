@@ -17,7 +17,7 @@ from torch import nn
 
 from ort_autopatch import patcher
 from ort_autopatch.engine import EngineOptions
-from ort_autopatch.engine.backends.ort_training import TrainingBuild
+from ort_autopatch.engine.backends.ort_training.backend import OrtTrainingBackend
 from ort_autopatch.engine.callkey import HotShapes
 from ort_autopatch.engine.errors import SessionError
 from ort_autopatch.engine.recipe import Miss
@@ -293,14 +293,14 @@ def test_unchecked_calls_never_feed_another_shape_to_a_static_graph() -> None:
 def test_a_shape_whose_static_graph_cannot_be_built_keeps_the_dynamic_graph(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = TrainingBuild.build
+    real = OrtTrainingBackend.build
 
-    def refuse_static(self: TrainingBuild, miss: Miss, *args: Any) -> Any:
+    def refuse_static(self: OrtTrainingBackend, miss: Miss, *args: Any) -> Any:
         if miss.shapes() is not None:
             raise SessionError("Layer", "refused for the test", "none")
         return real(self, miss, *args)
 
-    monkeypatch.setattr(TrainingBuild, "build", refuse_static)
+    monkeypatch.setattr(OrtTrainingBackend, "build", refuse_static)
     twins = _Twins()
     for _ in range(8):
         twins.step((2, 5, 16))

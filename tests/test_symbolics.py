@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.onnx._internal.torchscript_exporter import registration
 
-from ort_autopatch.engine import ModuleEngine, symbolics
+from ort_autopatch.engine import ModuleEngine
+from ort_autopatch.engine.backends.ort_training import symbolics
 from tests.helpers import assert_training_parity
 
 

@@ -23,7 +23,7 @@ from ort_autopatch.engine import (
     ModuleEngine,
     is_exporting,
 )
-from ort_autopatch.engine.torch_in_graph import nodes
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from tests.helpers import assert_training_parity, plain_backend
 
 pytest.importorskip("onnxruntime")
@@ -1025,7 +1025,7 @@ def test_the_relu_gradient_in_torch_gives_zero_where_eager_does_for_an_infinite_
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["aten-node", "python-node"])
 def test_a_small_relus_gradient_stays_in_onnx(compiled: bool) -> None:
-    from ort_autopatch.engine.torch_in_graph import gradients
+    from ort_autopatch.engine.backends.ort_training.torch_in_graph import gradients
 
     smallest = gradients.ATEN_FROM if compiled else gradients.PYTHON_FROM
     engine = ModuleEngine(WideFeedForward(), EngineOptions(compile_executor=compiled))
@@ -1036,7 +1036,7 @@ def test_a_small_relus_gradient_stays_in_onnx(compiled: bool) -> None:
 def test_a_graph_without_a_large_enough_gradient_node_never_asks_for_the_executor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ort_autopatch.engine.torch_in_graph import aten_executor
+    from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
     asked: list[object] = []
     monkeypatch.setattr(aten_executor, "executor", lambda folder: asked.append(folder))

@@ -23,7 +23,7 @@ import torch
 
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import bridge, budget, session
-from ort_autopatch.engine.backends import Backend
+from ort_autopatch.engine.backend import Backend
 from ort_autopatch.engine.callkey import KeyMaker
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import bridge, calls, signature
-from ort_autopatch.engine.backends import Program
+from ort_autopatch.engine.backend import Program
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.state import ModuleState

@@ -18,7 +18,6 @@ import torch
 
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
-    backends,
     budget,
     hazards,
     persist,
@@ -26,6 +25,7 @@ from ort_autopatch.engine import (
     signature,
     verify,
 )
+from ort_autopatch.engine.backend import choose
 from ort_autopatch.engine.build import Builder
 from ort_autopatch.engine.cache import GraphCache
 from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, Shapes
@@ -100,7 +100,7 @@ class ModuleEngine:
         # (grad mode, train flag, autocast state) -> key last used
         self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
         self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
-        backend = backends.choose(self.options.backend)
+        backend = choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
         self._per_shape = backend.per_shape
         # graphs carry size guards (`Backend.guarded`): a call is admitted by them

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine import calls, hazards, runtime
-from ort_autopatch.engine.backends import Backend
+from ort_autopatch.engine.backend import Backend
 from ort_autopatch.engine.callkey import CallKey, Guards
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.signature import FlatCall

@@ -566,7 +566,7 @@ def backward_reads(graph: Any) -> Callable[[str], bool]:
     backward. A value counts as read when it, or a value sharing its buffer through an
     aliasing operator, is an input of a backward node.
     """
-    from ort_autopatch.engine.graph import node_reads
+    from ort_autopatch.engine.backends.ort_training.graph import node_reads
 
     nodes = list(graph.node)
     producer = {out: k for k, node in enumerate(nodes) for out in node.output}

@@ -182,7 +182,7 @@ def agent_faults(monkeypatch: pytest.MonkeyPatch) -> type[_AgentProxy]:
     the plain backend's forward and backward sessions."""
     _AgentProxy.fail_forward = _AgentProxy.fail_backward = None
     if PLAIN:
-        from ort_autopatch.engine.plain import program
+        from ort_autopatch.engine.backends.ort import program
 
         real_run = program._Session.run
 
@@ -223,7 +223,7 @@ def test_gradient_builder_failing_falls_back_with_eager_state(
     torch's autograd, failing to become ONNX (an export failure there)."""
     model, twin, x = _pair()
     if PLAIN:
-        from ort_autopatch.engine.plain import lowering
+        from ort_autopatch.engine.backends.ort import lowering
 
         real = lowering.to_onnx
 

@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 
 import onnx
 
-from ort_autopatch.engine import graph
+from ort_autopatch.engine.backends.ort_training import graph
 
 
 @dataclass

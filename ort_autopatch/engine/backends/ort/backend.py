@@ -33,7 +33,8 @@ import torch
 
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import bridge, calls, hazards, runtime, session, tracing
-from ort_autopatch.engine.backends import Backend, Progress
+from ort_autopatch.engine.backend import Backend, Progress
+from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
     DataDependentError,
@@ -42,7 +43,6 @@ from ort_autopatch.engine.errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from ort_autopatch.engine.plain import hazards as plain_hazards
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.sizes import SizeGuards
@@ -51,7 +51,7 @@ log = logging.getLogger("ort_autopatch")
 
 
 @dataclass
-class PlainPayload:
+class OrtPayload:
     """The plain backend's part of a recipe: both graphs and the maps between them."""
 
     lowered: Any  # plain.program.Lowered
@@ -95,7 +95,7 @@ def _first_names(miss: Miss) -> dict[str, str]:
     return found
 
 
-class PlainBuild(Backend):
+class OrtBackend(Backend):
     """Graphs from torch's autograd, run by the inference-only `onnxruntime`."""
 
     name: ClassVar[str] = "ort"
@@ -111,13 +111,13 @@ class PlainBuild(Backend):
         return _graph_version()
 
     @staticmethod
-    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> PlainPayload:
+    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> OrtPayload:
         """No `onnx.checker` pass (nor an onnx import: about 1 s): the store hands back only
         bytes whose checksums it wrote, and it wrote only graphs that ONNX Runtime had
         already loaded and run, and that the first-call check had accepted."""
-        from ort_autopatch.engine.plain import program
+        from ort_autopatch.engine.backends.ort import program
 
-        return PlainPayload(program.Lowered.from_stored(meta, graphs), stored=True)
+        return OrtPayload(program.Lowered.from_stored(meta, graphs), stored=True)
 
     def refuse(self, call: FlatCall) -> None:
         """A training call under a functorch transform (vmap, grad) is refused: torch's
@@ -172,7 +172,7 @@ class PlainBuild(Backend):
             backend=self.name,
             has_backward=captured.backward is not None,
             forward_model=lowered.forward,
-            payload=PlainPayload(lowered),
+            payload=OrtPayload(lowered),
             feed_sources=sources,
             num_user_outputs=captured.num_user_outputs,
             output_spec=captured.output_spec,
@@ -190,7 +190,13 @@ class PlainBuild(Backend):
         the child has named them, a trace made (or failed) from another table is made again.
         Without a child (no fork, the exporter imported here already, a graph the child
         cannot take, a failed child) the graphs are lowered here."""
-        from ort_autopatch.engine.plain import capture, decompositions, lowering, offload, program
+        from ort_autopatch.engine.backends.ort import (
+            capture,
+            decompositions,
+            lowering,
+            offload,
+            program,
+        )
 
         call, cls = miss.call, self.module_class
         lowerer = offload.Lowerer.start()
@@ -232,7 +238,7 @@ class PlainBuild(Backend):
     def _trace(self, miss: Miss, progress: Progress, table: dict[Any, Any]) -> Any:
         """`plain.capture` of the call for its shapes; forward reading tensor data is refused
         as data-dependent (`_data_dependent`)."""
-        from ort_autopatch.engine.plain import capture
+        from ort_autopatch.engine.backends.ort import capture
 
         call = miss.call
         progress.phase = "tracing forward and backward"
@@ -249,7 +255,12 @@ class PlainBuild(Backend):
     def _symbolic(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards] | None:
         """The call traced with `miss.dynamic` as symbols, lowered, and its guards; None (and
         `miss` told: one graph per shape) when the trace fails or fixes every symbol."""
-        from ort_autopatch.engine.plain import capture, decompositions, program, symbolic
+        from ort_autopatch.engine.backends.ort import (
+            capture,
+            decompositions,
+            program,
+            symbolic,
+        )
 
         assert miss.dynamic is not None
         call, cls = miss.call, self.module_class
@@ -306,10 +317,10 @@ class PlainBuild(Backend):
         settings: session.SessionSettings,
         progress: Progress,
     ) -> _Program:
-        from ort_autopatch.engine.plain import program
+        from ort_autopatch.engine.backends.ort import program
 
         payload = recipe.payload
-        assert isinstance(payload, PlainPayload), f"a {recipe.backend} recipe"
+        assert isinstance(payload, OrtPayload), f"a {recipe.backend} recipe"
         built = program.instantiate(payload.lowered, self.module_class, miss.device, settings)
         # the forward graph's inputs in order: what `run` takes (a stored recipe's
         # feed_sources may come back in another order)
@@ -326,7 +337,7 @@ class PlainBuild(Backend):
 
     def _check(self, recipe: Recipe, runnable: _Program, miss: Miss) -> None:
         """The call that built the graph, through the graph and eagerly (`plain.check`)."""
-        from ort_autopatch.engine.plain import check
+        from ort_autopatch.engine.backends.ort import check
 
         module, call = miss.module, miss.call
         spec = call.spec()
@@ -365,16 +376,8 @@ class PlainBuild(Backend):
         )
 
 
-_PLAIN_SOURCES = (
-    "plain/capture",
-    "plain/check",
-    "plain/decompositions",
-    "plain/draws",
-    "plain/lowering",
-    "plain/program",
-    "plain/symbolic",
-    "tracing",
-)
+#: shared engine modules whose code shapes this backend's graphs, besides its own package
+_SHARED_SOURCES = ("tracing", "sizes", "calls")
 
 
 @functools.cache
@@ -384,12 +387,14 @@ def _graph_version() -> str:
     from importlib import metadata
 
     digest = hashlib.sha256()
-    engine = Path(__file__).resolve().parent.parent
-    for name in _PLAIN_SOURCES:
-        digest.update((engine / f"{name}.py").read_bytes())
-    for package in ("onnxscript", "onnx-ir", "onnx"):
+    package = Path(__file__).resolve().parent
+    engine = package.parent.parent
+    sources = [*sorted(package.glob("*.py")), *(engine / f"{n}.py" for n in _SHARED_SOURCES)]
+    for path in sources:  # every file of the package: none can be forgotten
+        digest.update(path.read_bytes())
+    for name in ("onnxscript", "onnx-ir", "onnx"):
         try:
-            digest.update(f"{package}={metadata.version(package)}".encode())
+            digest.update(f"{name}={metadata.version(name)}".encode())
         except metadata.PackageNotFoundError:
-            digest.update(f"{package}=none".encode())
+            digest.update(f"{name}=none".encode())
     return digest.hexdigest()[:16]

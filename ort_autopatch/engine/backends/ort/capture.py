@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import budget, calls, tracing
+from ort_autopatch.engine.backends.ort import draws
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
-from ort_autopatch.engine.plain import draws
 
 
 @dataclass(frozen=True)

@@ -27,16 +27,14 @@ from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
     bridge,
     budget,
-    export,
-    graph,
     hazards,
-    heap,
-    passes,
     rng,
     runtime,
     session,
 )
-from ort_autopatch.engine.backends import Backend, Progress
+from ort_autopatch.engine.backend import Backend, Progress
+from ort_autopatch.engine.backends.ort_training import export, graph, heap, passes
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
     DataDependentError,
@@ -49,11 +47,10 @@ from ort_autopatch.engine.errors import (
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
-from ort_autopatch.engine.torch_in_graph import nodes
 
 log = logging.getLogger("ort_autopatch")
 
-#: Operators whose gradients need static shapes in ORT 1.19.2 (see TrainingBuild._capture).
+#: Operators whose gradients need static shapes in ORT 1.19.2 (see OrtTrainingBackend._capture).
 _STATIC_SHAPE_OPS = ("MaxPool", "AveragePool", "LpPool")
 
 
@@ -62,7 +59,7 @@ class _NeedsStaticShapes(Exception):
 
 
 @dataclass
-class TrainingPayload:
+class OrtTrainingPayload:
     """The training build's part of a recipe."""
 
     gradient: session.GradientGraph | None  # None: an inference recipe
@@ -150,7 +147,7 @@ class _Upgrade:
 
     @staticmethod
     def due() -> bool:
-        from ort_autopatch.engine.torch_in_graph import aten_executor
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
         return aten_executor.compiled()
 
@@ -193,7 +190,7 @@ def _require_training_build() -> None:
     runtime.load(training=True)
 
 
-class TrainingBuild(Backend):
+class OrtTrainingBackend(Backend):
     """ORT's gradient builder and TrainingAgent (`onnxruntime-training` 1.19.2)."""
 
     name: ClassVar[str] = "ort-training"
@@ -225,7 +222,7 @@ class TrainingBuild(Backend):
         return passes.version()
 
     @staticmethod
-    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> TrainingPayload:
+    def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> OrtTrainingPayload:
         g = meta["gradient"]
         gradient = None
         if g is not None:
@@ -239,7 +236,7 @@ class TrainingBuild(Backend):
             )
         optimized = graphs.get("optimized")
         _check(optimized or (gradient.model if gradient is not None else graphs["forward"]))
-        return TrainingPayload(gradient, optimized)
+        return OrtTrainingPayload(gradient, optimized)
 
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
@@ -288,7 +285,7 @@ class TrainingBuild(Backend):
     ) -> tuple[Recipe, export.ExportedGraph]:
         """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
         export produced it become torch-calling nodes and the call is exported again."""
-        from ort_autopatch.engine.torch_in_graph import routing
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
 
         device = miss.device
         while True:
@@ -326,7 +323,7 @@ class TrainingBuild(Backend):
     def _export(
         self, miss: Miss, dynamic: bool, routed: frozenset[str] | None = None
     ) -> export.ExportedGraph:
-        from ort_autopatch.engine.torch_in_graph import routing
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
 
         forward, module, call = self.forward, miss.module, miss.call
         chosen = self._routed if routed is None else routed
@@ -419,7 +416,7 @@ class TrainingBuild(Backend):
                 and state.is_param[state.index[where]]
                 and state.tensors[state.index[where]].requires_grad
             ]
-            from ort_autopatch.engine.torch_in_graph import gradients
+            from ort_autopatch.engine.backends.ort_training.torch_in_graph import gradients
 
             extra = [n for s in stats for n in (s.mean_output, s.var_output)]
             cpu = miss.device.type == "cpu"
@@ -448,7 +445,7 @@ class TrainingBuild(Backend):
             backend=self.name,
             has_backward=grad,
             forward_model=model_bytes,
-            payload=TrainingPayload(gradient),
+            payload=OrtTrainingPayload(gradient),
             feed_sources=sources,
             num_user_outputs=passed.num_user_outputs,
             output_spec=exported.output_spec,
@@ -520,12 +517,12 @@ class TrainingBuild(Backend):
 
     def _executor_folder(self) -> Path | None:
         """Where the ATen executor is cached; None: it is never compiled (the option is off)."""
-        from ort_autopatch.engine.torch_in_graph import aten_executor
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
         return aten_executor.default_folder() if self.options.compile_executor else None
 
     def _executor_ready(self) -> bool:
-        from ort_autopatch.engine.torch_in_graph import aten_executor
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 
         return aten_executor.executor(self._executor_folder()) is None
 
@@ -543,7 +540,10 @@ class TrainingBuild(Backend):
         a graph that names no process's callables and asks for no compiled executor."""
         if device.type != "cpu":
             return None, False
-        from ort_autopatch.engine.torch_in_graph import aten_executor, gradients
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import (
+            aten_executor,
+            gradients,
+        )
 
         compiling = False
 
@@ -600,9 +600,9 @@ def _refuse_untrainable(cls: str, miss: Miss) -> None:
         raise session.untrainable(cls, found)
 
 
-def _payload(recipe: Recipe) -> TrainingPayload:
+def _payload(recipe: Recipe) -> OrtTrainingPayload:
     payload = recipe.payload
-    assert isinstance(payload, TrainingPayload), f"a {recipe.backend} recipe"
+    assert isinstance(payload, OrtTrainingPayload), f"a {recipe.backend} recipe"
     return payload
 
 

@@ -15,8 +15,8 @@ import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_helper
 
 from ort_autopatch.engine import random_ops
-from ort_autopatch.engine.torch_in_graph import nodes
-from ort_autopatch.engine.torch_in_graph.nodes import TENSOR
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
+from ort_autopatch.engine.backends.ort_training.torch_in_graph.nodes import TENSOR
 
 _Scalar = _type_utils.JitScalarType
 DOMAIN = nodes.DOMAIN

@@ -257,7 +257,8 @@ def _export_once(
         }
     buffer = io.BytesIO()
     start = time.perf_counter()
-    from ort_autopatch.engine import symbolics, tracing
+    from ort_autopatch.engine import tracing
+    from ort_autopatch.engine.backends.ort_training import symbolics
 
     try:
         with (

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import verify
-from ort_autopatch.engine.plain.program import Program
+from ort_autopatch.engine.backends.ort.program import Program
 
 log = logging.getLogger("ort_autopatch")
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import bridge, rng, runtime, session
+from ort_autopatch.engine.backends.ort import lowering
+from ort_autopatch.engine.backends.ort.capture import Captured, Feed
 from ort_autopatch.engine.errors import ExecutionError
-from ort_autopatch.engine.plain import lowering
-from ort_autopatch.engine.plain.capture import Captured, Feed
 
 
 @dataclass

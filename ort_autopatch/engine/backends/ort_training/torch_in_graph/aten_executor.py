@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.torch_in_graph import aten_build
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_build
 
 log = logging.getLogger("ort_autopatch")
 

@@ -54,7 +54,7 @@ import torch
 from ort_autopatch.engine import calls, sandbox
 
 if TYPE_CHECKING:
-    from ort_autopatch.engine.plain.program import Graphs
+    from ort_autopatch.engine.backends.ort.program import Graphs
 
 log = logging.getLogger("ort_autopatch")
 
@@ -302,7 +302,7 @@ def decode(encoded: Encoded, fake: bool) -> torch.fx.GraphModule:
 
 def _implemented_names() -> list[tuple[str, ...]]:
     """The ATen operators torchlib translates, by name (all the decomposition table reads)."""
-    from ort_autopatch.engine.plain import lowering
+    from ort_autopatch.engine.backends.ort import lowering
 
     names = []
     for target in lowering.implemented():
@@ -329,7 +329,7 @@ def _found(names: list[tuple[str, ...]]) -> list[Any]:
 def _warm_up() -> None:
     """Lower a one-node graph while the parent traces: a process's first translation and
     serialisation cost more than a small graph's own."""
-    from ort_autopatch.engine.plain import program
+    from ort_autopatch.engine.backends.ort import program
 
     x = _Fake((2,), (1,), 0, torch.float32)
     nodes = [
@@ -346,7 +346,7 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
     # no collections: the child lives for one build, and its imports and translation make
     # objects by the hundred thousand (0.05 s of collections measured in the imports alone)
     gc.disable()
-    from ort_autopatch.engine.plain import lowering, program
+    from ort_autopatch.engine.backends.ort import lowering, program
 
     # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
     # thread pool (libgomp's) does not survive a fork
@@ -410,7 +410,7 @@ class Lowerer:
         A trace may start from it; `implemented` confirms it before its graphs are used."""
         if _implemented:
             return _implemented[0]
-        from ort_autopatch.engine.plain import lowering
+        from ort_autopatch.engine.backends.ort import lowering
 
         return lowering.read_implemented()
 
@@ -447,7 +447,7 @@ class Lowerer:
         child would have to import torch._dynamo for), as lowering here would promote them:
         a graph promoted is marked (`lowering.PROMOTED`), so lowering it here after all does
         not promote it twice."""
-        from ort_autopatch.engine.plain import lowering
+        from ort_autopatch.engine.backends.ort import lowering
 
         graphs = [graph for graph in (forward, backward) if graph is not None]
         try:

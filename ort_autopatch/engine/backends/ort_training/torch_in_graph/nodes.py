@@ -36,8 +36,8 @@ import torch
 from torch.utils import dlpack
 
 from ort_autopatch.engine import rng
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
 from ort_autopatch.engine.dlpack import dense
-from ort_autopatch.engine.torch_in_graph import aten_executor
 
 log = logging.getLogger("ort_autopatch")
 

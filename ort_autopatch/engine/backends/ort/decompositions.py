@@ -503,7 +503,7 @@ def table(implemented: frozenset[Any] | None = None) -> dict[Any, Callable[..., 
     from torch.onnx._internal.exporter import _decomp
 
     if implemented is None:
-        from ort_autopatch.engine.plain import lowering
+        from ort_autopatch.engine.backends.ort import lowering
 
         implemented = lowering.implemented()
     found: dict[Any, Callable[..., Any]] = dict(

@@ -1,5 +1,5 @@
 """The first training step's heap pages, faulted in while the gradient child builds
-(`engine/heap.py`): later allocations of the process find them resident, once per process."""
+(`engine/backends/ort_training/heap.py`): later allocations of the process find them resident, once per process."""
 
 from __future__ import annotations
 

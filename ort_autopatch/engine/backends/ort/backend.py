@@ -2,7 +2,7 @@
 backward graphs from torch's autograd, each run in an InferenceSession.
 
 A build traces the call's joint forward + backward with aot_autograd and the backend's
-decomposition table, partitions it, and lowers both graphs to ONNX (`engine/plain/`). A key's
+decomposition table, partitions it, and lowers both graphs to ONNX (`engine/backends/ort/`). A key's
 first graph is traced for the call's input shapes; once a second shape comes, the dimensions
 that varied are traced as symbols (`plain.symbolic`), and the graph serves every size its
 guards admit (`Recipe.size_guards`, `engine/sizes.py`). A symbolic trace that fails falls

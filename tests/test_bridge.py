@@ -13,6 +13,7 @@ import torch
 from onnx import helper
 
 from ort_autopatch.engine import bridge, dlpack, session
+from ort_autopatch.engine.backends.ort_training import agent
 
 
 def _add_one(rank: int) -> bytes:
@@ -30,10 +31,10 @@ def _add_one(rank: int) -> bytes:
     ).SerializeToString()
 
 
-def _program(rank: int = 2) -> session.InferenceProgram:
+def _program(rank: int = 2) -> agent.InferenceProgram:
     bridge.use_inference_dlpack()  # what the plain backend does before its first session
     settings = session.SessionSettings(threads=1)
-    return session.build_inference(_add_one(rank), torch.device("cpu"), settings, "Test")
+    return agent.build_inference(_add_one(rank), torch.device("cpu"), settings, "Test")
 
 
 def _step(outputs: int = 1) -> bridge.Step:

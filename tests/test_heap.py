@@ -1,5 +1,6 @@
 """The first training step's heap pages, faulted in while the gradient child builds
-(`engine/backends/ort_training/heap.py`): later allocations of the process find them resident, once per process."""
+(`engine/backends/ort_training/heap.py`): later allocations of the process find them
+resident, once per process."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ import json
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import calls, hazards, persist, session
+from ort_autopatch.engine import calls, hazards, persist
+from ort_autopatch.engine.backends.ort_training import agent
 from ort_autopatch.engine.backends.ort_training.backend import (
     OrtTrainingBackend,
     OrtTrainingPayload,
@@ -108,7 +109,7 @@ def test_a_recipe_another_backend_built_is_not_loaded() -> None:
 
 
 def test_a_gradient_payload_round_trips() -> None:
-    gradient = session.GradientGraph(_forward(), 2, 1, [1], [0], {"x": "x_grad"})
+    gradient = agent.GradientGraph(_forward(), 2, 1, [1], [0], {"x": "x_grad"})
     payload = OrtTrainingPayload(gradient, optimized=None)
     back = OrtTrainingBackend.payload_from(
         json.loads(json.dumps(payload.meta())), {"forward": _forward(), **payload.graphs()}

@@ -8,6 +8,7 @@ import torch
 from onnx import helper
 
 from ort_autopatch.engine import session
+from ort_autopatch.engine.backends.ort_training import agent
 from ort_autopatch.engine.errors import UnsupportedInputError
 
 
@@ -25,7 +26,7 @@ def _graph(
 
 def test_an_inference_program_names_its_feeds_and_fetches() -> None:
     model = _graph([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"], onnx.TensorProto.FLOAT)
-    program = session.build_inference(
+    program = agent.build_inference(
         model.SerializeToString(), torch.device("cpu"), session.SessionSettings(threads=1), "T"
     )
     assert (program.feed_names, program.fetch_names, program.stream) == (["x"], ["y"], None)
@@ -34,14 +35,14 @@ def test_an_inference_program_names_its_feeds_and_fetches() -> None:
 def test_training_a_float64_graph_is_refused_before_any_build() -> None:
     model = _graph([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"], onnx.TensorProto.DOUBLE)
     with pytest.raises(UnsupportedInputError, match="float64"):
-        session._refuse_dtypes(model, "T")
+        agent._refuse_dtypes(model, "T")
 
 
 def test_a_float64_input_only_cast_to_float32_is_trainable() -> None:
     cast = helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.FLOAT)
     model = _graph([cast], ["x"], [], onnx.TensorProto.DOUBLE)
     model.graph.output.append(helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None))
-    session._refuse_dtypes(model, "T")
+    agent._refuse_dtypes(model, "T")
 
 
 def test_backward_reads_a_value_through_an_aliasing_view() -> None:
@@ -51,7 +52,7 @@ def test_backward_reads_a_value_through_an_aliasing_view() -> None:
         helper.make_node("Reshape", ["x", "shape"], ["x_view"]),
         helper.make_node("Mul", ["dh", "x_view"], ["dx"]),
     ]
-    reads = session.backward_reads(_graph(nodes, ["x", "shape"], ["dx"], 1).graph)
+    reads = agent.backward_reads(_graph(nodes, ["x", "shape"], ["dx"], 1).graph)
     assert reads("x") and reads("x_view") and not reads("h")
 
 

@@ -23,6 +23,7 @@ from ort_autopatch.engine import (
     ModuleEngine,
     is_exporting,
 )
+from ort_autopatch.engine.backends.ort_training import agent
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from tests.helpers import assert_training_parity, plain_backend
 
@@ -1207,7 +1208,7 @@ def test_gradient_nodes_orts_session_refuses_fall_back_to_orts_kernels(
     from ort_autopatch.engine import session
     from ort_autopatch.engine.errors import SessionError
 
-    real = session.build_training
+    real = agent.build_training
 
     def refuse_torch_nodes(gradient: Any, *args: Any) -> Any:
         if b"PythonOp" in gradient.model or b"ATen" in gradient.model:

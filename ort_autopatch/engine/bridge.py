@@ -13,10 +13,11 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from ort_autopatch.engine import rng, runtime
+from ort_autopatch.engine.backends.ort_training.agent import InferenceProgram, TrainingProgram
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.dlpack import dense_strides
 from ort_autopatch.engine.errors import ExecutionError
-from ort_autopatch.engine.session import InferenceProgram, TrainingProgram, ort_message
+from ort_autopatch.engine.session import ort_message
 
 
 @dataclass

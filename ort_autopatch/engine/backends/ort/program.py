@@ -276,7 +276,7 @@ def _session_for(
     stream = session.compute_stream(device)
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
-    sess, _ = session._session(
+    sess, _ = session.create(
         model, device, settings, cls, False, stream=stream, disabled_optimizers=_KEEP_DROPOUT
     )
     inputs = {name: k for k, name in enumerate(facts.inputs)}

@@ -3,7 +3,7 @@
 A build exports `forward` once with the TorchScript exporter (`export.py`; the trace's hazards
 judged), falls back to static shapes where ORT 1.19.2 needs them, sends operators ORT cannot
 differentiate to torch (`PythonOp`/`ATen` nodes) and exports again, applies the graph passes,
-and lets ORT's `OrtModuleGraphBuilder` build the gradient graph (`session.build_gradient`). A
+and lets ORT's `OrtModuleGraphBuilder` build the gradient graph (`agent.build_gradient`). A
 training program is a `TrainingAgent` over that graph, run through `bridge.train`; an
 inference program an `InferenceSession` over the forward graph. On CPU, ORT's slow gradient
 kernels are swapped for torch-calling nodes when the session is made
@@ -33,7 +33,7 @@ from ort_autopatch.engine import (
     session,
 )
 from ort_autopatch.engine.backend import Backend, Progress
-from ort_autopatch.engine.backends.ort_training import export, graph, heap, passes
+from ort_autopatch.engine.backends.ort_training import agent, export, graph, heap, passes
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
@@ -62,7 +62,7 @@ class _NeedsStaticShapes(Exception):
 class OrtTrainingPayload:
     """The training build's part of a recipe."""
 
-    gradient: session.GradientGraph | None  # None: an inference recipe
+    gradient: agent.GradientGraph | None  # None: an inference recipe
     optimized: bytes | None = None  # ORT's optimised form of the graph that runs
 
     def graphs(self) -> dict[str, bytes]:
@@ -98,7 +98,7 @@ class _Training:
 
     def __init__(
         self,
-        program: session.TrainingProgram,
+        program: agent.TrainingProgram,
         step: bridge.Step,
         kept: bridge.KeptValues,
         torch_nodes: dict[str, int],
@@ -151,13 +151,13 @@ class _Upgrade:
 
         return aten_executor.compiled()
 
-    def make(self) -> tuple[session.TrainingProgram, bytes] | None:
+    def make(self) -> tuple[agent.TrainingProgram, bytes] | None:
         """The new session and the graph it runs; None when nothing is better than before."""
         try:
             swapped = self.make_graph()
             if swapped is None:
                 return None
-            program = session.build_training(swapped, self.device, self.settings, self.cls)
+            program = agent.build_training(swapped, self.device, self.settings, self.cls)
         except Exception as exc:  # whatever fails, the program it had goes on
             log.debug("%s: no graph with the ATen executor (%s)", self.cls, exc)
             return None
@@ -169,7 +169,7 @@ class _Inference:
 
     def __init__(
         self,
-        program: session.InferenceProgram,
+        program: agent.InferenceProgram,
         step: bridge.Step,
         kept: bridge.KeptValues,
         torch_nodes: dict[str, int],
@@ -226,7 +226,7 @@ class OrtTrainingBackend(Backend):
         g = meta["gradient"]
         gradient = None
         if g is not None:
-            gradient = session.GradientGraph(
+            gradient = agent.GradientGraph(
                 model=graphs["gradient"],
                 num_forward_outputs=int(g["num_forward_outputs"]),
                 num_outputs=int(g["num_outputs"]),
@@ -422,7 +422,7 @@ class OrtTrainingBackend(Backend):
             cpu = miss.device.type == "cpu"
             # the first step's activations land in heap pages faulted in while the child builds
             with heap.FirstStepPages() if cpu else contextlib.nullcontext() as pages:
-                built = session.build_gradient(
+                built = agent.build_gradient(
                     model_bytes,
                     feed_names=list(sources),
                     trainable=trainable + requiring,
@@ -476,13 +476,13 @@ class OrtTrainingBackend(Backend):
             if swapped is not None:
                 # ORT's optimised graph would name this process's callables: never stored
                 try:
-                    program = session.build_training(swapped, device, settings, cls, None, False)
+                    program = agent.build_training(swapped, device, settings, cls, None, False)
                 except SessionError as exc:
                     # ORT's own shape inference disagrees with the swapped nodes: its kernels
                     log.debug("%s: gradient nodes stay ORT's (%s)", cls, exc)
                     swapped, compiling = None, False
             if program is None:
-                program = session.build_training(
+                program = agent.build_training(
                     payload.gradient, device, settings, cls, payload.optimized, capture
                 )
                 payload.optimized = payload.optimized or program.optimized
@@ -495,7 +495,7 @@ class OrtTrainingBackend(Backend):
             if compiling:
                 gradient = payload.gradient
 
-                def with_executor() -> session.GradientGraph | None:
+                def with_executor() -> agent.GradientGraph | None:
                     if not self._executor_ready():  # it failed, or another build still runs
                         return None
                     made, _ = self._for_device(gradient, shapes, device, _Quiet())
@@ -503,7 +503,7 @@ class OrtTrainingBackend(Backend):
 
                 upgrade = _Upgrade(cls, recipe, with_executor, device, settings)
             return _Training(program, step, kept, counts, {"gradient": ran.model}, upgrade)
-        inference = session.build_inference(
+        inference = agent.build_inference(
             payload.optimized or recipe.forward_model,
             device,
             settings,
@@ -528,11 +528,11 @@ class OrtTrainingBackend(Backend):
 
     def _for_device(
         self,
-        gradient: session.GradientGraph,
+        gradient: agent.GradientGraph,
         shapes: dict[str, tuple[int, ...]],
         device: torch.device,
         progress: Progress,
-    ) -> tuple[session.GradientGraph | None, bool]:
+    ) -> tuple[agent.GradientGraph | None, bool]:
         """The gradient graph as this device's session would rather run it (None for the
         recipe's own), and whether the ATen executor it asked for was still compiling: on
         CPU, ORT's slow gradient kernels become torch-calling nodes
@@ -578,7 +578,7 @@ def _input_shapes(recipe: Recipe, call: FlatCall) -> dict[str, tuple[int, ...]]:
     }
 
 
-#: dtypes ORT 1.19.2 has too few gradient kernels for (session._refuse_dtypes reads graphs).
+#: dtypes ORT 1.19.2 has too few gradient kernels for (agent._refuse_dtypes reads graphs).
 _UNTRAINABLE_DTYPES = {
     torch.float64: "float64",
     torch.complex64: "complex64",
@@ -597,7 +597,7 @@ def _refuse_untrainable(cls: str, miss: Miss) -> None:
         if is_param and tensor.requires_grad and dtype is not None:
             found.setdefault(dtype, []).append(name)
     if found:
-        raise session.untrainable(cls, found)
+        raise agent.untrainable(cls, found)
 
 
 def _payload(recipe: Recipe) -> OrtTrainingPayload:

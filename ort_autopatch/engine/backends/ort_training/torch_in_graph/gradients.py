@@ -179,7 +179,7 @@ class _Constants:
 def warm_up() -> None:
     """Pay onnx's first shape inference (~15 ms: its operator schemas load on first use) ahead
     of `gradients_in_torch`, where it costs no time: while a forked child builds the gradient
-    graph (`session.build_gradient`'s `meanwhile`)."""
+    graph (`agent.build_gradient`'s `meanwhile`)."""
     from onnx import TensorProto, helper, shape_inference
 
     value = helper.make_tensor_value_info

@@ -1,6 +1,6 @@
 """bridge.py on its own: tensors into and out of ORT, kept values, BatchNorm statistics.
 
-The DLPack plumbing is the installed build's (`bridge.use_inference_dlpack`: the training
+The DLPack plumbing is the installed build's (`dlpack.use_inference_dlpack`: the training
 build moves bools as uint8 with a flag, the inference-only build as they are).
 """
 
@@ -32,7 +32,7 @@ def _add_one(rank: int) -> bytes:
 
 
 def _program(rank: int = 2) -> agent.InferenceProgram:
-    bridge.use_inference_dlpack()  # what the plain backend does before its first session
+    dlpack.use_inference_dlpack()  # what the plain backend does before its first session
     settings = session.SessionSettings(threads=1)
     return agent.build_inference(_add_one(rank), torch.device("cpu"), settings, "Test")
 
@@ -54,7 +54,7 @@ def test_a_non_contiguous_feed_is_read_as_its_values() -> None:
 
 
 def test_a_kept_value_reads_in_place_updates_and_a_replaced_tensor_is_wrapped_again() -> None:
-    program, kept = _program(rank=1), bridge.KeptValues([0])
+    program, kept = _program(rank=1), dlpack.KeptValues([0])
     w = torch.zeros(3)
     bridge.run_inference(program, _step(), [w], kept)
     first = kept.values[0][4]

@@ -536,7 +536,7 @@ def _twin_steps(
     ],
 )
 def test_parameter_memory_changed_between_calls_is_read(change) -> None:
-    """ORT's views of parameters are kept from call to call (`bridge.KeptValues`), by each
+    """ORT's views of parameters are kept from call to call (`dlpack.KeptValues`), by each
     graph: any change of what a parameter holds, through new memory or in place, is what the
     next call of every graph reads (the static-shape graph of batch 4, the first shape, the
     graph serving batch 6, and the eval graphs)."""
@@ -620,20 +620,20 @@ def test_parameters_are_wrapped_for_ort_once(monkeypatch: pytest.MonkeyPatch) ->
     """After the first call only the call's own values are wrapped (DLPack) for ORT: the
     input in forward; in backward the output's gradient (the plain backend: and the
     activations forward saved), never a parameter."""
-    from ort_autopatch.engine import bridge
+    from ort_autopatch.engine import dlpack
 
     net = _Scaled()  # backward reads `scale` itself
     engine = ModuleEngine(net)
     x = torch.randn(4, 8)
     engine(x).sum().backward()
     wrapped: list[torch.Tensor] = []
-    real = bridge.to_dlpack
+    real = dlpack.to_dlpack
 
     def counting(tensor: torch.Tensor) -> object:
         wrapped.append(tensor)
         return real(tensor)
 
-    monkeypatch.setattr(bridge, "to_dlpack", counting)
+    monkeypatch.setattr(dlpack, "to_dlpack", counting)
     y = engine(x)
     assert [tuple(t.shape) for t in wrapped] == [(4, 8)]  # forward: the input alone
     wrapped.clear()

@@ -183,7 +183,7 @@ def compute_stream(device: torch.device) -> Any:
     stream has the handle 0, which ORT reads as "none"), every run makes it wait for the
     caller's current stream, runs with it as torch's current stream (torch-calling nodes launch
     on it, in order with ORT's kernels) and makes the caller's stream wait for it afterwards
-    (`bridge.on_stream`).
+    (`dlpack.on_stream`).
     """
     if device.type != "cuda":
         return None

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import bridge, rng, runtime, session
+from ort_autopatch.engine import bridge, dlpack, rng, runtime, session
 from ort_autopatch.engine.backends.ort import lowering
 from ort_autopatch.engine.backends.ort.capture import Captured, Feed
 from ort_autopatch.engine.errors import ExecutionError
@@ -66,11 +66,11 @@ class _Session:
         if self.draws:
             runtime.capi().set_seed(rng.next_seed() if seed is None else seed)
         try:
-            with bridge.on_stream(self.stream) as caller:  # a shared no-op on CPU
+            with dlpack.on_stream(self.stream) as caller:  # a shared no-op on CPU
                 self.session._sess.run_with_ortvaluevector(
                     self.run_options,
                     self.feed_names,
-                    bridge._push([values[k] for k in self.feeds], kept),
+                    dlpack.push([values[k] for k in self.feeds], kept),
                     self.fetch_names,
                     fetches,
                     self.fetch_devices,
@@ -79,7 +79,7 @@ class _Session:
             raise ExecutionError(
                 cls, f"ONNX Runtime {phase} failed: {session.ort_message(exc)}", "Run eagerly"
             ) from exc
-        got = bridge._tensors(fetches, caller)
+        got = dlpack.pull(fetches, caller)
         if self._as_fetched:
             return got
         return [
@@ -303,7 +303,7 @@ class Program:
     lowered: Lowered
     forward: _Session
     backward: _Session | None
-    kept: Any  # bridge.KeptValues of the module's tensors among forward's feeds
+    kept: Any  # dlpack.KeptValues of the module's tensors among forward's feeds
     backward_kept: Any  # and among backward's (the parameters it reads)
     saves_mutated: frozenset[int]  # buffers backward reads that forward also updates
     mutated: frozenset[int]  # every buffer forward updates (by feed index)
@@ -339,7 +339,7 @@ def instantiate(
     lowered: Lowered, cls: str, device: torch.device, settings: session.SessionSettings
 ) -> Program:
     """Sessions for both graphs."""
-    bridge.use_inference_dlpack()
+    dlpack.use_inference_dlpack()
     facts = lowered.facts
     forward = _session_for(
         lowered.forward, facts["forward"], lowered.forward_outputs, cls, device, settings
@@ -380,10 +380,10 @@ def instantiate(
     )
 
 
-def _kept(session: _Session, values: set[int]) -> bridge.KeptValues:
+def _kept(session: _Session, values: set[int]) -> dlpack.KeptValues:
     """Kept ORT values for the session's feeds that come from `values` (indices into what
     its caller holds)."""
-    return bridge.KeptValues([j for j, k in enumerate(session.feeds) if k in values])
+    return dlpack.KeptValues([j for j, k in enumerate(session.feeds) if k in values])
 
 
 def _forward(

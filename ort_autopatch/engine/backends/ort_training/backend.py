@@ -27,6 +27,7 @@ from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
     bridge,
     budget,
+    dlpack,
     hazards,
     rng,
     runtime,
@@ -100,7 +101,7 @@ class _Training:
         self,
         program: agent.TrainingProgram,
         step: bridge.Step,
-        kept: bridge.KeptValues,
+        kept: dlpack.KeptValues,
         torch_nodes: dict[str, int],
         saved_graphs: dict[str, bytes],
         upgrade: _Upgrade | None = None,
@@ -171,7 +172,7 @@ class _Inference:
         self,
         program: agent.InferenceProgram,
         step: bridge.Step,
-        kept: bridge.KeptValues,
+        kept: dlpack.KeptValues,
         torch_nodes: dict[str, int],
     ) -> None:
         self.program = program
@@ -606,9 +607,9 @@ def _payload(recipe: Recipe) -> OrtTrainingPayload:
     return payload
 
 
-def _kept(recipe: Recipe, feed_names: Sequence[str]) -> bridge.KeptValues:
+def _kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:
     """ORT's values of the feeds that are the module's tensors, kept from call to call."""
-    return bridge.KeptValues(
+    return dlpack.KeptValues(
         [k for k, name in enumerate(feed_names) if recipe.feed_sources[name][0] != "input"]
     )
 

@@ -22,9 +22,18 @@ from torch.utils import _pytree as pytree
 
 from ort_autopatch import patcher
 from ort_autopatch.policy import Fallback
-from tests.helpers import assert_tree_close, class_stats, patched
+from tests.helpers import assert_tree_close, class_stats, patched, plain_backend
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+#: Found while writing these tests, not fixed here (issue 35): the training build returns
+#: every output as a fresh tensor (no view, no object returned twice, a copy of an input
+#: returned as it is) and never writes forward's writes into its inputs back into the
+#: caller's tensors, which leaves a wrong value in the caller's tensor.
+TRAINING_BUILD_GAP = pytest.mark.xfail(
+    not plain_backend(),
+    strict=True,
+    reason="the training build does not keep eager's aliasing nor apply input writes",
+)
 
 
 class _Linear(nn.Module):
@@ -192,6 +201,7 @@ def _plain(model: nn.Module, leaves: list[torch.Tensor]) -> tuple[Any, list[torc
     return model(*leaves), []
 
 
+@TRAINING_BUILD_GAP
 @pytest.mark.parametrize(
     "cls",
     [TransposeOfInput, DiagonalOfInput, ChunksOfInput, ViewOfAParameter],
@@ -209,6 +219,7 @@ def test_views_of_an_input_or_parameter_are_views_of_it_with_eagers_gradients(cl
                 assert view._base is x
 
 
+@TRAINING_BUILD_GAP
 def test_a_view_of_a_parameter_has_the_parameter_as_its_base() -> None:
     model = ViewOfAParameter()
     _, weight_t = model(torch.randn(2, 3))
@@ -216,6 +227,7 @@ def test_a_view_of_a_parameter_has_the_parameter_as_its_base() -> None:
     assert weight_t.grad_fn is not None and weight_t.requires_grad
 
 
+@TRAINING_BUILD_GAP
 def test_a_write_through_a_returned_view_of_an_input_reaches_the_input_as_in_eager() -> None:
     model = TransposeOfInput().eval()
     x = torch.randn(3, 3)
@@ -225,6 +237,7 @@ def test_a_write_through_a_returned_view_of_an_input_reaches_the_input_as_in_eag
     assert class_stats(TransposeOfInput).ort_calls == 1
 
 
+@TRAINING_BUILD_GAP
 def test_an_in_place_write_to_a_view_of_a_leaf_raises_as_in_eager() -> None:
     x = torch.randn(3, 3, requires_grad=True)
     ours = DiagonalOfInput()(x)[0]
@@ -237,6 +250,7 @@ def test_an_in_place_write_to_a_view_of_a_leaf_raises_as_in_eager() -> None:
     assert class_stats(DiagonalOfInput).ort_calls == 1
 
 
+@TRAINING_BUILD_GAP
 def test_chunks_of_an_input_raise_on_an_in_place_write_as_eagers_multi_output_views() -> None:
     a = torch.randn(3, 3, requires_grad=True) * 1  # chunks of a non-leaf
     ours = ChunksOfInput()(a)[1]
@@ -249,22 +263,26 @@ def test_chunks_of_an_input_raise_on_an_in_place_write_as_eagers_multi_output_vi
     assert class_stats(ChunksOfInput).ort_calls == 1
 
 
+@TRAINING_BUILD_GAP
 def test_one_tensor_returned_twice_is_one_object_with_eagers_gradient() -> None:
     for (a, b), _ in _each_call_like_eager(SameTensorTwice, _x, _plain):
         assert a is b
 
 
+@TRAINING_BUILD_GAP
 def test_views_of_an_intermediate_share_their_base_as_in_eager() -> None:
     for (flat, row), _ in _each_call_like_eager(ViewsOfAnIntermediate, _x, _plain):
         assert flat._is_view() and row._is_view()
         assert flat._base is row._base and flat._base is not None
 
 
+@TRAINING_BUILD_GAP
 def test_a_view_of_an_output_has_that_output_as_its_base() -> None:
     for (y, yt), _ in _each_call_like_eager(ViewOfAnOutput, _x, _plain):
         assert yt._base is y
 
 
+@TRAINING_BUILD_GAP
 @pytest.mark.parametrize("cls", [IndexFillIntoInput, ScatterIntoInput], ids=lambda c: c.__name__)
 def test_a_write_into_an_input_reaches_the_callers_tensor_with_its_gradient(cls: type) -> None:
     index = torch.tensor([[1], [0], [2]]) if cls is ScatterIntoInput else torch.tensor([1])
@@ -292,6 +310,7 @@ def test_a_write_into_an_input_without_gradients_is_applied_in_place() -> None:
     assert class_stats(IndexFillIntoInput).ort_calls == 1
 
 
+@TRAINING_BUILD_GAP
 def test_a_write_into_a_leaf_that_requires_grad_is_refused_with_eagers_error() -> None:
     """Eager raises; the trace, which runs forward on the call's tensors first, meets the
     same error and refuses the call with it (the default policy then runs eager, which
@@ -305,6 +324,7 @@ def test_a_write_into_a_leaf_that_requires_grad_is_refused_with_eagers_error() -
     assert (x != 0).all(), "the leaf was written"
 
 
+@TRAINING_BUILD_GAP
 @pytest.mark.parametrize("cls", [Identity, CastToItsOwnType], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("grad", [True, False])
 def test_a_graph_with_no_operator_left_returns_the_input_itself_as_eager(

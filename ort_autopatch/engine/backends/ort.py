@@ -366,6 +366,7 @@ class PlainBuild(Backend):
 
 
 _PLAIN_SOURCES = (
+    "plain/aliasing",
     "plain/capture",
     "plain/check",
     "plain/decompositions",

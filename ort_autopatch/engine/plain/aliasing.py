@@ -77,9 +77,7 @@ class Replay:
         values: list[Any] = [base]
         for target, args, kwargs in self.steps:
             function = _target(target)
-            values.append(
-                function(*_decode(args, values, feeds), **_decode(kwargs, values, feeds))
-            )
+            values.append(function(*_decode(args, values, feeds), **_decode(kwargs, values, feeds)))
         out = values[-1]
         assert isinstance(out, torch.Tensor)
         return out

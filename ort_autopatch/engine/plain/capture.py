@@ -638,7 +638,7 @@ def _viewed_input(node: Any, placeholders: list[torch.fx.Node]) -> torch.fx.Node
             return None
         node = node.args[0]
     if node is not None and node in placeholders and node.meta.get("val") is not None:
-        return node  # type: ignore[no-any-return]
+        return node
     return None
 
 

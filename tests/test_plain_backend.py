@@ -499,8 +499,9 @@ def test_an_input_returned_as_it_is_gets_its_gradient_through_autograd() -> None
     torch.testing.assert_close(out["label"], expected["label"])
 
 
-def test_an_output_that_is_a_view_of_an_input_is_refused_naming_it() -> None:
-    from ort_autopatch.engine.errors import UnsupportedModelError
+def test_an_output_that_is_a_view_of_an_input_is_that_view_with_eagers_gradient() -> None:
+    """aot's graph computes the view as a value of its own; the call replays it on the
+    caller's tensor, as aot's runtime wrappers do (`plain.aliasing`)."""
 
     class View(nn.Module):
         def __init__(self) -> None:
@@ -510,8 +511,14 @@ def test_an_output_that_is_a_view_of_an_input_is_refused_naming_it() -> None:
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return self.linear(x), x.view(-1)
 
-    with pytest.raises(UnsupportedModelError, match="aliases other memory"):
-        PlainCall(View(), torch.randn(2, 4, requires_grad=True))
+    x = torch.randn(2, 4, requires_grad=True)
+    plain = PlainCall(View(), x)
+    assert plain.program.forward.fetch_names == ["addmm"]  # ORT computes no copy of the view
+    y, flat = plain(x)
+    assert flat._base is x and ran_in_plain_ort(y)
+    (y.sum() + (flat * 2).sum()).backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, plain.module.linear.weight.sum(0).expand(2, 4) + 2)
 
 
 def test_batchnorm_with_a_cumulative_average_trains_like_eager() -> None:

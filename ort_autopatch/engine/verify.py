@@ -218,19 +218,22 @@ def _side(
 ) -> _Side:
     """One run on copies of `inputs`, with a backward of one fixed cotangent; the saved
     state restored after it."""
-    copies = _copies(inputs)
+    leaves = _copies(inputs)
     with torch.enable_grad() if grad else torch.no_grad():
+        # the call gets non-leaf copies: a forward writing into its input (`index_fill_`)
+        # may, as it may into the caller's non-leaf tensors; gradients are the leaves'
+        copies = [t.clone() if t.requires_grad else t for t in leaves]
         output = run(copies)
     # Buffers are restored after the backward, not before: eager's BatchNorm saves its
     # running statistics for backward, and restoring them in place before
     # `autograd.grad` raised autograd's "modified by an inplace operation".
     if not grad:
         saved.restore()
-    leaves = _float_leaves(output)
+    outputs = _float_leaves(output)
     gradients: list[torch.Tensor | None] = []
     if grad:
-        targets = list(trainable) + [t for t in copies if t.requires_grad]
-        differentiable = [t for t in leaves if t.requires_grad]
+        targets = list(trainable) + [t for t in leaves if t.requires_grad]
+        differentiable = [t for t in outputs if t.requires_grad]
         if targets and differentiable:
             gen = torch.Generator(device="cpu").manual_seed(0)
             cotangents = [
@@ -241,7 +244,7 @@ def _side(
                 torch.autograd.grad(differentiable, targets, cotangents, allow_unused=True)
             )
         saved.restore()
-    return [t.detach() for t in leaves], gradients
+    return [t.detach() for t in outputs], gradients
 
 
 def _nudge(tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -62,10 +62,26 @@ class Captured:
     #: detached alias, is a graph output of its own): saved too, so an in-place change of
     #: the output raises autograd's error, as eager's saved output does
     viewed_outputs: list[int] = field(default_factory=list)
-    #: user outputs that are an input itself, returned as it is: user output -> feed index.
-    #: Their gradient reaches the input through autograd, never through the graphs (which
-    #: have no cotangent for them), as eager returns the very tensor.
-    aliases: dict[int, int] = field(default_factory=dict)
+    #: forward outputs that are an input's new value (forward wrote into the caller's
+    #: tensor): output index -> feed index
+    input_mutations: dict[int, int] = field(default_factory=dict)
+    #: input mutations that happen where autograd does not see them (under no_grad)
+    hidden_mutations: list[int] = field(default_factory=list)
+    #: forward outputs that are the base of outputs returned as its views (aot's
+    #: intermediate bases): returned by the training Function, never to the user
+    bases: list[int] = field(default_factory=list)
+    #: user outputs made on the torch side from their base (`aliasing`): an input itself, a
+    #: view of an input, of a parameter, of an intermediate base or of another output, or
+    #: another output's very tensor. Their gradient reaches the base through autograd,
+    #: never through the graphs (which have no cotangent for them), as in eager.
+    #: user output -> `aliasing.Replay`
+    regenerated: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> list[int]:
+        """What the program hands back, by slot: the user outputs, the intermediate bases,
+        the inputs' new values (forward output index of each); tangents are by slot."""
+        return [*self.user_outputs, *self.bases, *self.input_mutations]
 
 
 class _Flat(torch.nn.Module):
@@ -350,7 +366,7 @@ def capture(
             output = next(n for n in gm.graph.nodes if n.op == "output")
             out_descs = list(output.meta["desc"])
             feeds: list[Feed] = []
-            tangents: dict[str, int] = {}
+            tangent_of: dict[str, Any] = {}
             for node in placeholders:
                 desc = node.meta["desc"]
                 if isinstance(desc, d.PlainAOTInput):
@@ -359,15 +375,16 @@ def capture(
                     feeds.append(Feed("param", _qualified(desc.target)))
                 elif isinstance(desc, d.BufferAOTInput):
                     feeds.append(Feed("buffer", _qualified(desc.target)))
-                elif isinstance(desc, d.TangentAOTInput) and isinstance(
-                    desc.output, d.PlainAOTOutput
-                ):
-                    tangents[node.name] = desc.output.idx
+                elif isinstance(desc, d.TangentAOTInput):
+                    tangent_of[node.name] = desc.output  # by slot, once the outputs are read
                 else:
                     raise _refuse(cls, f"an input of kind {desc!r}")
             mutations: dict[int, str] = {}
+            input_mutations: dict[int, int] = {}
             user_outputs: list[int] = []
+            bases: list[int] = []
             num_forward = 0
+            position = {feed: k for k, feed in enumerate(feeds)}
             for k, desc in enumerate(out_descs):
                 if isinstance(desc, d.GradAOTOutput) or desc is None:
                     continue
@@ -378,13 +395,26 @@ def capture(
                     desc.mutated_input, d.BufferAOTInput
                 ):
                     mutations[k] = _qualified(desc.mutated_input.target)
+                elif isinstance(desc, d.InputMutationAOTOutput) and isinstance(
+                    desc.mutated_input, d.PlainAOTInput
+                ):
+                    input_mutations[k] = position[Feed("input", desc.mutated_input.idx)]
+                elif isinstance(desc, d.IntermediateBaseAOTOutput):
+                    bases.append(k)
                 else:
                     raise _refuse(cls, f"an output of kind {desc!r}")
-            if num_forward != len(user_outputs) + len(mutations) or any(
-                k >= num_forward for k in [*user_outputs, *mutations]
-            ):
+            produced = [*user_outputs, *mutations, *input_mutations, *bases]
+            if num_forward != len(produced) or any(k >= num_forward for k in produced):
                 raise _refuse(cls, "forward outputs after gradients")
-            aliases = _input_aliases(cls, joint, feeds, user_outputs)
+            slots = [*user_outputs, *bases, *input_mutations]
+            slot_of = {out_descs[k]: slot for slot, k in enumerate(slots)}
+            tangents: dict[str, int] = {}
+            for name, of in tangent_of.items():
+                if of not in slot_of:
+                    raise _refuse(cls, f"an input of kind TangentAOTInput(output={of!r})")
+                tangents[name] = slot_of[of]
+            hidden = _input_mutations(cls, joint, input_mutations)
+            regenerated = _regenerated(cls, joint, gm, feeds, user_outputs, bases)
             if not tangents:
                 forward_gm, backward_gm = gm, None
             else:
@@ -419,14 +449,19 @@ def capture(
         num_user_outputs=len(user_outputs),
         mutations=mutations,
         user_outputs=user_outputs,
-        aliases=aliases,
+        input_mutations=input_mutations,
+        hidden_mutations=hidden,
+        bases=bases,
+        regenerated=regenerated,
     )
     if backward_gm is not None:
         _link(captured, forward_gm, backward_gm, tangents, num_forward)
         _pass_feeds_through(forward_gm, num_forward)
+    _drop_regenerated(forward_gm, [user_outputs[k] for k in regenerated])
     for graph in (forward_gm, backward_gm):
         if graph is not None:
             _sums_without_kept_dims(graph)
+            _int64_indices(graph)
     return captured
 
 
@@ -521,26 +556,113 @@ def _real_constants(cls: str, gm: torch.fx.GraphModule) -> None:
             node.meta["val"] = value  # what the exporter's translator reads
 
 
-def _input_aliases(
-    cls: str, joint: Any, feeds: list[Feed], user_outputs: list[int]
-) -> dict[int, int]:
-    """User outputs that are one of the inputs, by aot's analysis of the outputs; an output
-    aliasing something else (a view of an input, two outputs sharing memory) is refused:
-    aot's own runtime regenerates those outside the graph, which this backend does not."""
+def _input_mutations(cls: str, joint: Any, input_mutations: dict[int, int]) -> list[int]:
+    """Forward writes into the caller's tensors: each a data write (a metadata change, such
+    as `t_()` or `resize_`, is refused); those autograd does not see (a write under
+    no_grad) are returned, by forward output index."""
+    infos = joint._aot_state.fw_metadata.input_info
+    hidden = []
+    for k, feed in input_mutations.items():
+        info = infos[feed]
+        if info.mutates_metadata or info.mutates_storage_metadata:
+            raise _refuse(cls, f"a write changing the shape or storage of input {feed}")
+        if info.mutations_hidden_from_autograd or info.mutations_under_no_grad_or_inference_mode:
+            hidden.append(k)
+    return hidden
+
+
+def _regenerated(
+    cls: str,
+    joint: Any,
+    gm: torch.fx.GraphModule,
+    feeds: list[Feed],
+    user_outputs: list[int],
+    bases: list[int],
+) -> dict[int, Any]:
+    """The user outputs made on the torch side from their base, by aot's analysis of the
+    outputs (`aliasing`): inputs returned as they are, views of inputs, parameters,
+    intermediates or other outputs, and an output returned twice."""
     from torch._functorch._aot_autograd.schemas import OutputType
+
+    from ort_autopatch.engine.backends.ort import aliasing
 
     infos = joint._aot_state.fw_metadata.output_info
     if len(infos) != len(user_outputs):
         raise _refuse(cls, f"{len(infos)} outputs by aot's count, {len(user_outputs)} by ours")
-    aliases = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][: len(feeds)]
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    own = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+    first: dict[Any, int] = {}  # a graph value -> the first user output that is it
+    regenerated: dict[int, Any] = {}
     for k, info in enumerate(infos):
-        if info.output_type == OutputType.is_input and info.base_idx is not None:
-            if feeds[info.base_idx].kind != "input":
-                raise _refuse(cls, f"output {k} that is a parameter or buffer itself")
-            aliases[k] = info.base_idx
-        elif info.output_type not in (OutputType.non_alias, OutputType.unsafe_view_alias):
-            raise _refuse(cls, f"output {k} that aliases other memory ({info.output_type.name})")
-    return aliases
+        node, kind = outs[user_outputs[k]], info.output_type
+        if kind in own:
+            root = _viewed_input(node, placeholders)
+            if root is not None:  # views of an input aot hides from autograd (x.chunk(3))
+                source, index, base = "feed", placeholders.index(root), root
+            elif node not in first:
+                first[node] = k
+                continue
+            else:
+                source, index, base = "slot", first[node], node  # returned twice: one tensor
+        elif kind in (OutputType.is_input, OutputType.alias_of_input):
+            source, index, base = "feed", info.base_idx, placeholders[info.base_idx]
+        elif kind in (
+            OutputType.alias_of_intermediate,
+            OutputType.alias_of_intermediate_save_as_output,
+        ):
+            slot = len(user_outputs) + info.base_idx
+            source, index, base = "slot", slot, outs[bases[info.base_idx]]
+        elif kind is OutputType.alias_of_intermediate_base_is_user_output:
+            source, index, base = "slot", info.base_idx, outs[user_outputs[info.base_idx]]
+        else:
+            raise _refuse(cls, f"output {k} that aliases other memory ({kind.name})")
+        try:
+            steps = aliasing.chain(base, node, placeholders)
+        except aliasing.NotAView as exc:
+            raise _refuse(
+                cls, f"output {k} that aliases other memory ({kind.name}) through {exc}"
+            ) from exc
+        regenerated[k] = aliasing.Replay(source, int(index), steps, bool(info.requires_grad))
+    return regenerated
+
+
+def _viewed_input(node: Any, placeholders: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The input `node` is a view of, through views and their items alone, or None.
+    aot's analysis calls multi-output views of an input (`x.chunk(3)`, `x.unbind()`) outputs
+    of their own, which eager returns as views of the input."""
+    from ort_autopatch.engine.backends.ort import aliasing
+
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if aliasing._name(node.target) is None or not node.args:
+            return None
+        node = node.args[0]
+    if node is not None and node in placeholders and node.meta.get("val") is not None:
+        return node
+    return None
+
+
+def _drop_regenerated(forward: torch.fx.GraphModule, outputs: list[int]) -> None:
+    """The forward graph's outputs the torch side makes (`Captured.regenerated`) are None
+    in it: ONNX Runtime neither computes nor copies them; the views only they read go."""
+    from ort_autopatch.engine.backends.ort import aliasing
+
+    if not outputs:
+        return
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    dropped = []
+    for k in outputs:
+        if isinstance(outs[k], torch.fx.Node) and outs[k].op != "placeholder":
+            dropped.append(outs[k])
+        outs[k] = None
+    output.args = (tuple(outs),)
+    while dropped:
+        node = dropped.pop()
+        if node.op == "call_function" and not node.users and aliasing._name(node.target):
+            dropped.extend(n for n in node.all_input_nodes if n not in dropped)
+            forward.graph.erase_node(node)
+    forward.recompile()
 
 
 _aten = torch.ops.aten
@@ -612,7 +734,9 @@ def _link(
     captured.backward_inputs = reads
     producers = {n.name: n for n in forward.graph.nodes}
     outputs_in_order = next(n for n in forward.graph.nodes if n.op == "output").args[0]
-    user_nodes = {outputs_in_order[k]: n for n, k in enumerate(captured.user_outputs)}
+    user_nodes: dict[Any, int] = {}
+    for n, k in enumerate(captured.slots):
+        user_nodes.setdefault(outputs_in_order[k], n)
     viewed: set[int] = set()
     viewed_outputs: set[int] = set()
     for kind, k in reads:
@@ -627,8 +751,8 @@ def _link(
             viewed_outputs.add(user_nodes[node])
         if node is not None and node.op == "placeholder" and node.name in producers:
             viewed.add(forward_inputs[node.name])
-    captured.viewed_feeds = sorted(viewed)
-    captured.viewed_outputs = sorted(viewed_outputs - set(captured.aliases))
+    captured.viewed_feeds = sorted(viewed - set(captured.input_mutations.values()))
+    captured.viewed_outputs = sorted(viewed_outputs - set(captured.regenerated))
     outputs = next(n for n in backward.graph.nodes if n.op == "output").args[0]
     if len(outputs) != len(captured.feeds):
         raise ExportError(
@@ -675,5 +799,43 @@ def _sums_without_kept_dims(gm: torch.fx.GraphModule) -> None:
         gm.graph.erase_node(view)
         gm.graph.erase_node(node)
         changed = True
+    if changed:
+        gm.recompile()
+
+
+#: operators taking a list of index tensors, which ONNX (GatherND, ScatterND) reads as int64
+_INDEXING = frozenset(
+    {
+        _aten.index.Tensor,
+        _aten._unsafe_index.Tensor,
+        _aten.index_put.default,
+        _aten._unsafe_index_put.default,
+    }
+)
+
+
+def _int64_indices(gm: torch.fx.GraphModule) -> None:
+    """Index tensors of type int32 (torch's own `unfold_backward` decomposition indexes
+    with an int32 `arange`; eager takes either type) become int64: ONNX's GatherND and
+    ScatterND take int64 indices alone, and ONNX Runtime refused the graph ("Type
+    'tensor(int32)' of input parameter ... of operator (ScatterND)")."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _INDEXING:
+            continue
+        indices = list(node.args[1])
+        for k, index in enumerate(indices):
+            value = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.int32:
+                continue
+            with gm.graph.inserting_before(node):
+                wide = gm.graph.call_function(
+                    _aten._to_copy.default, (index,), {"dtype": torch.int64}
+                )
+            wide.meta = dict(index.meta)
+            wide.meta["val"] = value.to(torch.int64)
+            indices[k] = wide
+            changed = True
+        node.args = (node.args[0], indices, *node.args[2:])
     if changed:
         gm.recompile()

@@ -293,6 +293,9 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
             "Run this class eagerly (the default fallback policy does) and report the model",
         ) from exc
     _ir_passes.add_opset_imports(model)
+    # a graph whose operators all folded away (casts to the type a value has) names no
+    # opset, which ONNX Runtime refuses ("Missing opset in the model")
+    model.opset_imports.setdefault("", OPSET)
     proto = ir.serde.serialize_model(model)
     return bytes(proto.SerializeToString())
 

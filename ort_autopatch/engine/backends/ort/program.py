@@ -26,6 +26,7 @@ import torch
 
 from ort_autopatch.engine import bridge, dlpack, rng, runtime, session
 from ort_autopatch.engine.backends.ort import lowering
+from ort_autopatch.engine.backends.ort.aliasing import Replay
 from ort_autopatch.engine.backends.ort.capture import Captured, Feed
 from ort_autopatch.engine.errors import ExecutionError
 
@@ -62,6 +63,8 @@ class _Session:
     ) -> list[Any]:
         """The graph's outputs; a graph that draws is seeded with `seed`, else with the
         stream's next seed."""
+        if self.session is None:  # nothing to compute (`_session_for`)
+            return [values[k] if kind == "in" else None for kind, k in self.outputs]
         fetches = self._vector()
         if self.draws:
             runtime.capi().set_seed(rng.next_seed() if seed is None else seed)
@@ -137,7 +140,10 @@ class Lowered:
     backward_inputs: list[tuple[str, int]]  # see `Captured.backward_inputs`
     forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
     backward_outputs: list[tuple[str, int]]
-    aliases: dict[int, int]  # see `Captured.aliases`
+    input_mutations: dict[int, int]  # see `Captured.input_mutations`
+    hidden_mutations: list[int]  # see `Captured.hidden_mutations`
+    bases: list[int]  # see `Captured.bases`
+    regenerated: dict[int, Replay]  # see `Captured.regenerated`
     viewed_feeds: list[int]  # see `Captured.viewed_feeds`
     viewed_outputs: list[int]  # see `Captured.viewed_outputs`
     #: what sessions need to know of each graph ("forward", "backward"), read when it was
@@ -145,6 +151,11 @@ class Lowered:
     facts: dict[str, GraphFacts]
     #: forward's random operators, read when it was lowered (None: a stored graph's, unread)
     random_operators: list[str] | None = None
+
+    @property
+    def slots(self) -> list[int]:
+        """See `Captured.slots`."""
+        return [*self.user_outputs, *self.bases, *self.input_mutations]
 
     def graphs(self) -> dict[str, bytes]:
         found = {"forward": self.forward}
@@ -160,7 +171,10 @@ class Lowered:
             "backward_inputs": [list(x) for x in self.backward_inputs],
             "forward_outputs": [list(x) for x in self.forward_outputs],
             "backward_outputs": [list(x) for x in self.backward_outputs],
-            "aliases": [[k, v] for k, v in self.aliases.items()],
+            "input_mutations": [[k, v] for k, v in self.input_mutations.items()],
+            "hidden_mutations": self.hidden_mutations,
+            "bases": self.bases,
+            "regenerated": [[k, v.as_data()] for k, v in self.regenerated.items()],
             "viewed_feeds": self.viewed_feeds,
             "viewed_outputs": self.viewed_outputs,
             "facts": {
@@ -182,7 +196,10 @@ class Lowered:
             backward_inputs=pairs("backward_inputs"),
             forward_outputs=pairs("forward_outputs"),
             backward_outputs=pairs("backward_outputs"),
-            aliases={int(k): int(v) for k, v in meta["aliases"]},
+            input_mutations={int(k): int(v) for k, v in meta["input_mutations"]},
+            hidden_mutations=[int(k) for k in meta["hidden_mutations"]],
+            bases=[int(k) for k in meta["bases"]],
+            regenerated={int(k): Replay.from_data(v) for k, v in meta["regenerated"]},
             viewed_feeds=[int(k) for k in meta["viewed_feeds"]],
             viewed_outputs=[int(k) for k in meta["viewed_outputs"]],
             facts={
@@ -254,7 +271,10 @@ def lower(captured: Captured, cls: str, graphs: Graphs | None = None) -> Lowered
         backward_inputs=captured.backward_inputs,
         forward_outputs=graphs.forward_outputs,
         backward_outputs=graphs.backward_outputs,
-        aliases=captured.aliases,
+        input_mutations=captured.input_mutations,
+        hidden_mutations=captured.hidden_mutations,
+        bases=captured.bases,
+        regenerated=captured.regenerated,
         viewed_feeds=captured.viewed_feeds,
         viewed_outputs=captured.viewed_outputs,
         facts=graphs.facts,
@@ -273,6 +293,10 @@ def _session_for(
     device: torch.device,
     settings: session.SessionSettings,
 ) -> _Session:
+    if not any(kind == "onnx" for kind, _ in outputs):
+        # Every output is an input passed through, made on the torch side, or None (a model
+        # returning its input): no operator is left to run, and no session is made
+        return _Session(None, [], [], [], [], None, None, outputs, False)
     stream = session.compute_stream(device)
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
@@ -305,14 +329,26 @@ class Program:
     backward: _Session | None
     kept: Any  # dlpack.KeptValues of the module's tensors among forward's feeds
     backward_kept: Any  # and among backward's (the parameters it reads)
-    saves_mutated: frozenset[int]  # buffers backward reads that forward also updates
-    mutated: frozenset[int]  # every buffer forward updates (by feed index)
-    #: user output -> its position among the Function's outputs (aliases are not among them)
+    saves_mutated: frozenset[int]  # feeds backward reads that forward also writes
+    mutated: frozenset[int]  # every feed forward writes (buffers and inputs, by feed index)
+    #: the slots (`Captured.slots`) the training Function returns, in order: all but the
+    #: user outputs made on the torch side
+    returned: list[int]
+    #: slot -> its position among the Function's outputs
     tangent_position: dict[int, int]
+    #: slots with a cotangent whose output the Function does not return (an output returned
+    #: twice, views of an input aot gave a cotangent): their gradient reaches the base through
+    #: autograd, the graph's cotangent for them is zeros
+    tangent_zeros: frozenset[int]
+    #: Function outputs (by position) that have no gradient: inputs' new values without one
+    non_differentiable: frozenset[int]
 
     def run(self, feeds: Sequence[torch.Tensor], recompute: bool = False) -> list[torch.Tensor]:
         """One call: through autograd when it needs gradients, else forward alone.
         `recompute`: keep nothing of the forward but its feeds (`PlainRecomputingCall`)."""
+        lowered = self.lowered
+        if lowered.input_mutations:
+            _check_writable(lowered, feeds)
         if self.backward is not None and torch.is_grad_enabled():
             # Saved-tensor hooks (activation checkpointing) rerun the whole call to get back
             # what it saved: a graph with dropout would draw another mask there, so it keeps
@@ -324,15 +360,61 @@ class Program:
                 outputs = function.apply(self, *feeds)
             else:  # without Function.apply's Python layer, as `bridge.train` does
                 outputs = _C_APPLY[function](self, *map(bridge._UNWRAP_IF_DEAD, feeds))
-            if not self.lowered.aliases:
+            if not lowered.regenerated and not lowered.input_mutations and not lowered.bases:
                 return list(outputs)
-            rest = iter(outputs)
-            return [
-                feeds[self.lowered.aliases[k]] if k in self.lowered.aliases else next(rest)
-                for k in range(len(self.lowered.user_outputs))
-            ]
-        user, _, _ = _forward(self, feeds)
-        return user
+            slots: list[Any] = [None] * len(lowered.slots)
+            for slot, value in zip(self.returned, outputs, strict=True):
+                slots[slot] = value
+        else:
+            slots, _, _ = _forward(self, feeds)
+        return _finish(lowered, feeds, slots)
+
+
+def _check_writable(lowered: Lowered, feeds: Sequence[torch.Tensor]) -> None:
+    """Eager's refusal of forward's write into a leaf that requires grad (or a view of one),
+    before anything runs."""
+    if not torch.is_grad_enabled():
+        return
+    for k, feed in lowered.input_mutations.items():
+        if k in lowered.hidden_mutations:
+            continue
+        tensor = feeds[feed]
+        if tensor.requires_grad and tensor.is_leaf:
+            raise RuntimeError(
+                "a leaf Variable that requires grad is being used in an in-place operation."
+            )
+        base = tensor._base
+        if base is not None and base.requires_grad and base.is_leaf:
+            raise RuntimeError(
+                "a view of a leaf Variable that requires grad is being used in an in-place "
+                "operation."
+            )
+
+
+def _finish(lowered: Lowered, feeds: Sequence[torch.Tensor], slots: list[Any]) -> list[Any]:
+    """The user outputs from the program's slots: forward's writes into the caller's inputs
+    applied (`copy_`, seen by autograd as eager's in-place write is, unless forward made it
+    under no_grad), and the outputs the torch side makes from their base (`aliasing`)."""
+    first_write = len(lowered.user_outputs) + len(lowered.bases)
+    grad = torch.is_grad_enabled()
+    for j, (k, feed) in enumerate(lowered.input_mutations.items()):
+        with torch.set_grad_enabled(grad and k not in lowered.hidden_mutations):
+            feeds[feed].copy_(slots[first_write + j])
+    pending = dict(lowered.regenerated)
+    while pending:
+        ready = [
+            (k, replay)
+            for k, replay in pending.items()
+            if replay.source == "feed" or replay.index not in pending
+        ]
+        if not ready:
+            raise ExecutionError("", "outputs alias each other in a cycle", "Report the model")
+        for k, replay in ready:
+            base = feeds[replay.index] if replay.source == "feed" else slots[replay.index]
+            with torch.set_grad_enabled(grad and replay.requires_grad):
+                slots[k] = replay.run(base, feeds)
+            del pending[k]
+    return slots[: len(lowered.user_outputs)]
 
 
 def instantiate(
@@ -349,8 +431,9 @@ def instantiate(
         backward = _session_for(
             lowered.backward, facts["backward"], lowered.backward_outputs, cls, device, settings
         )
+    written = set(lowered.mutations.values()) | set(lowered.input_mutations.values())
     saved_feeds = {k for kind, k in lowered.backward_inputs if kind == "feed"}
-    saves_mutated = saved_feeds & set(lowered.mutations.values())
+    saves_mutated = saved_feeds & written
     module_feeds = {k for k, f in enumerate(lowered.feeds) if f.kind != "input"}
     # Backward reads the module's tensors as forward saw them (saved feeds, or forward outputs
     # that pass a feed through): the same memory from call to call, so kept as forward's are.
@@ -362,6 +445,11 @@ def instantiate(
             kind, index = lowered.forward_outputs[index]
         if kind in ("feed", "in") and index in fixed:
             read_module.add(k)
+    returned = [k for k in range(len(lowered.slots)) if k not in lowered.regenerated]
+    position = {slot: k for k, slot in enumerate(returned)}
+    tangents = {k for kind, k in lowered.backward_inputs if kind == "tangent"}
+    zeros = frozenset(tangents - set(position))
+    first_write = len(lowered.user_outputs) + len(lowered.bases)
     return Program(
         cls=cls,
         lowered=lowered,
@@ -370,13 +458,15 @@ def instantiate(
         kept=_kept(forward, module_feeds),
         backward_kept=_kept(backward, read_module) if backward is not None else None,
         saves_mutated=frozenset(saves_mutated),
-        mutated=frozenset(lowered.mutations.values()),
-        tangent_position={
-            k: position
-            for position, k in enumerate(
-                k for k in range(len(lowered.user_outputs)) if k not in lowered.aliases
-            )
-        },
+        mutated=frozenset(written),
+        returned=returned,
+        tangent_position=position,
+        tangent_zeros=zeros,
+        non_differentiable=frozenset(
+            position[slot]
+            for slot in range(first_write, len(lowered.slots))
+            if slot not in tangents
+        ),
     )
 
 
@@ -392,19 +482,21 @@ def _forward(
     seed: int | None = None,
     keep: frozenset[int] | None = None,
 ) -> tuple[list[Any], list[Any], dict[int, torch.Tensor]]:
-    """Run forward (seeded with `seed` when it draws) and update the buffers: the user
-    outputs, all of forward's outputs and, by feed index, the updated buffers in `keep`
-    (default: those backward reads) as forward saw them."""
+    """Run forward (seeded with `seed` when it draws) and update the buffers: the slots
+    (`Captured.slots`; None for a user output the torch side makes), all of forward's
+    outputs and, by feed index, the written feeds in `keep` (default: those backward reads)
+    as forward saw them. Writes into the caller's inputs are left to `_finish`."""
+    lowered = program.lowered
     outputs = program.forward.run(program.cls, "forward", feeds, program.kept, seed)
     before: dict[int, torch.Tensor] = {}
-    if program.lowered.mutations:
+    if lowered.mutations or lowered.input_mutations:
         keep = program.saves_mutated if keep is None else keep
         with torch.no_grad():
-            for k, feed in program.lowered.mutations.items():
-                if feed in keep:
-                    before[feed] = feeds[feed].clone()
+            for feed in keep:
+                before[feed] = feeds[feed].clone()
+            for k, feed in lowered.mutations.items():
                 feeds[feed].copy_(outputs[k])
-    return [outputs[k] for k in program.lowered.user_outputs], outputs, before
+    return [outputs[k] for k in lowered.slots], outputs, before
 
 
 class PlainTrainingCall(torch.autograd.Function):
@@ -413,22 +505,23 @@ class PlainTrainingCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        user, outputs, before = _forward(program, feeds)
-        user = _returned(ctx, program, user)
+        slots, outputs, before = _forward(program, feeds)
+        returned = _returned(ctx, program, slots)
+        ctx.zeros = _zeros(program, feeds, slots)
         saved = []
         for kind, k in program.lowered.backward_inputs:
             if kind == "out":
                 saved.append(outputs[k])
             elif kind == "feed":
                 saved.append(before.get(k, feeds[k]))
-        # the feeds and user outputs backward reads through a view of them: saved for the
+        # the feeds and outputs backward reads through a view of them: saved for the
         # version check only
         ctx.save_for_backward(
             *saved,
             *[feeds[k] for k in program.lowered.viewed_feeds],
-            *[user[program.tangent_position[k]] for k in program.lowered.viewed_outputs],
+            *[slots[k] for k in program.lowered.viewed_outputs],
         )
-        return tuple(user)
+        return tuple(returned)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -436,19 +529,41 @@ class PlainTrainingCall(torch.autograd.Function):
         return (None, *_backward(ctx, saved, grad_outputs))
 
 
-def _returned(ctx: Any, program: Program, user: list[Any]) -> list[Any]:
-    """The user outputs a training Function returns, its context told about them: aliases of
-    feeds are returned by `Program.run` outside it, and an integer output has no gradient."""
-    aliases = program.lowered.aliases
-    if aliases:
-        user = [out for k, out in enumerate(user) if k not in aliases]
+def _zeros(
+    program: Program, feeds: Sequence[torch.Tensor], slots: list[Any]
+) -> dict[int, tuple[Any, torch.dtype, torch.device]]:
+    """Shape, type and device of the zero cotangents (`Program.tangent_zeros`): their outputs
+    made from their bases here, without autograd, for the shapes alone."""
+    found: dict[int, tuple[Any, torch.dtype, torch.device]] = {}
+    if not program.tangent_zeros:
+        return found
+    values = list(slots)
+    with torch.no_grad():
+        pending = dict(program.lowered.regenerated)
+        while pending:
+            for k, replay in list(pending.items()):
+                if replay.source == "slot" and replay.index in pending:
+                    continue
+                base = feeds[replay.index] if replay.source == "feed" else values[replay.index]
+                values[k] = replay.run(base.detach(), feeds)
+                del pending[k]
+    for k in program.tangent_zeros:
+        found[k] = (values[k].shape, values[k].dtype, values[k].device)
+    return found
+
+
+def _returned(ctx: Any, program: Program, slots: list[Any]) -> list[Any]:
+    """The outputs a training Function returns, its context told about them: user outputs
+    the torch side makes are not among them (`_finish`), an integer output and an input's new
+    value without a gradient have none."""
+    returned = [slots[k] for k in program.returned]
     ctx.program = program
-    ctx.output_info = [(o.shape, o.dtype, o.device) for o in user]
+    ctx.output_info = [(o.shape, o.dtype, o.device) for o in returned]
     ctx.set_materialize_grads(False)
-    for out in user:
-        if not out.is_floating_point():
+    for position, out in enumerate(returned):
+        if not out.is_floating_point() or position in program.non_differentiable:
             ctx.mark_non_differentiable(out)
-    return user
+    return returned
 
 
 def _backward(
@@ -461,10 +576,12 @@ def _backward(
     values: list[torch.Tensor] = []
     for kind, k in program.lowered.backward_inputs:
         if kind == "tangent":
-            k = program.tangent_position[k]
-            grad = grad_outputs[k]
+            position = program.tangent_position.get(k)
+            grad = grad_outputs[position] if position is not None else None
             if grad is None:
-                shape, dtype, device = ctx.output_info[k]
+                shape, dtype, device = (
+                    ctx.output_info[position] if position is not None else ctx.zeros[k]
+                )
                 grad = torch.zeros(shape, dtype=dtype, device=device)
             values.append(grad)
         else:
@@ -484,13 +601,14 @@ class PlainRecomputingCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         seed = rng.next_seed() if program.forward.draws else None
-        user, _, before = _forward(program, feeds, seed, program.mutated)
-        user = _returned(ctx, program, user)
+        slots, _, before = _forward(program, feeds, seed, program.mutated)
+        returned = _returned(ctx, program, slots)
+        ctx.zeros = _zeros(program, feeds, slots)
         ctx.seed = seed
         # after the buffer updates bumped their versions: a later in-place write to a feed
         # raises in backward, as eager's saved tensors do
         ctx.save_for_backward(*[before.get(k, feed) for k, feed in enumerate(feeds)])
-        return tuple(user)
+        return tuple(returned)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

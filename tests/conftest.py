@@ -47,7 +47,7 @@ FAST_FILES = {
     "tests/test_autocast.py",
     "tests/test_backends.py",
     "tests/test_backward_hooks.py",
-    "tests/test_bridge.py",
+    "tests/test_run_plumbing.py",
     "tests/test_build_safety.py",
     "tests/test_callkey.py",
     "tests/test_config.py",

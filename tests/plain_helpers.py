@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import session, signature
+from ort_autopatch.engine.backend import RunHooks
 
 PLAIN_READY = importlib.util.find_spec("onnxscript") is not None and (
     importlib.util.find_spec("onnxruntime") is not None
@@ -43,7 +44,7 @@ class PlainCall:
         )
         self.lowered = program.lower(self.captured, "M")
         self.program = program.instantiate(
-            self.lowered, "M", torch.device("cpu"), session.SessionSettings(threads=1)
+            self.lowered, RunHooks("M"), torch.device("cpu"), session.SessionSettings(threads=1)
         )
 
     def __call__(self, *args: Any) -> Any:
@@ -60,4 +61,4 @@ class PlainCall:
 
 def ran_in_plain_ort(output: torch.Tensor) -> bool:
     """Whether a training output came out of the plain backend's autograd Function."""
-    return type(output.grad_fn).__name__ == "PlainTrainingCallBackward"
+    return type(output.grad_fn).__name__ == "GraphFunctionBackward"

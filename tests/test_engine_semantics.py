@@ -29,7 +29,7 @@ from tests.helpers import assert_close, assert_state_equal, plain_backend, snaps
 #: the plain backend traces one graph per input shape (the training build's graphs take any)
 PLAIN = plain_backend()
 #: the autograd node a training call through ORT leaves on its outputs
-TRAINING_NODE = "PlainTrainingCallBackward" if PLAIN else "TrainingCallBackward"
+TRAINING_NODE = "GraphFunctionBackward"  # both backends: graph_function.GraphFunction
 
 # A parity suite needs a backend that runs here (either build): without one it fails at
 # collection (with the reason and the remedy), it never vanishes as skips.
@@ -719,8 +719,8 @@ def test_in_place_weight_change_between_forward_and_backward_raises() -> None:
 
 
 def test_a_training_call_runs_as_torch_s_own_autograd_function() -> None:
-    """A training call skips `Function.apply`'s Python layer (`bridge.train`): the graph is
-    still one `TrainingCall` node of autograd, whose gradients reach every parameter."""
+    """A training call skips `Function.apply`'s Python layer (`graph_function.apply`): the
+    graph is still one `GraphFunction` node of autograd, whose gradients reach every parameter."""
     torch.manual_seed(0)
     eager, ours, engine = _pair(Net())
     out = engine(torch.randn(4, 8))
@@ -737,8 +737,8 @@ def test_a_training_call_runs_as_torch_s_own_autograd_function() -> None:
     ],
 )
 def test_a_training_call_under_functorch_transforms_takes_torch_s_own_path(transform) -> None:
-    """Under vmap or grad, `bridge.train` hands the call to `Function.apply`, which refuses a
-    Function without `setup_context` in torch's words, as before the direct apply."""
+    """Under vmap or grad, `graph_function.apply` hands the call to `Function.apply`, which
+    refuses a Function without `setup_context` in torch's words, as before the direct apply."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     engine = ModuleEngine(model)

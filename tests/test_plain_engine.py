@@ -163,7 +163,7 @@ pairs = zip(model.parameters(), eager.parameters())
 grads = [(p.grad - q.grad).abs().max().item() for p, q in pairs]
 print(json.dumps({
     "from_disk": [r.from_disk for r in engine.records],
-    "in_ort": type(out.grad_fn).__name__ == "PlainTrainingCallBackward",
+    "in_ort": type(out.grad_fn).__name__ == "GraphFunctionBackward",
     "output_diff": (out - expected).abs().max().item(),
     "grad_diff": max(grads),
     "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("onnx", "onnxscript", "onnx_ir")

@@ -287,4 +287,4 @@ def test_a_fresh_processs_first_build_imports_neither_onnx_nor_the_exporter() ->
 
     done = run([PY, "-c", _FRESH], cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["PlainTrainingCallBackward", "False", "False"], done.stdout
+    assert done.stdout.split() == ["GraphFunctionBackward", "False", "False"], done.stdout

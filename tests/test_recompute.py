@@ -18,10 +18,8 @@ from torch.utils.checkpoint import checkpoint
 from ort_autopatch.engine import ModuleEngine
 from tests.helpers import plain_backend
 
-#: the autograd node of a recomputing call, per backend
-RECOMPUTING = (
-    "PlainRecomputingCallBackward" if plain_backend() else "RecomputingTrainingCallBackward"
-)
+#: the autograd node of a recomputing call (`graph_function`, every backend)
+RECOMPUTING = "RecomputingGraphFunctionBackward"
 
 
 class Net(nn.Module):

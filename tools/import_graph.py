@@ -2,7 +2,7 @@
 
 Every `import` of an `ort_autopatch` module counts, at module level or inside a function (the
 engine imports lazily), except under `if TYPE_CHECKING:`. A name imported from a package
-(`from ort_autopatch.engine import bridge`) is an edge to that submodule when one exists, else
+(`from ort_autopatch.engine import dlpack`) is an edge to that submodule when one exists, else
 to the package. Exits 1 when the graph has a cycle. docs/architecture.md shows its output.
 """
 

@@ -19,12 +19,13 @@ the progress warning. A backend supplies the rest, for one module instance at a 
    (`guarded`), trace `miss.dynamic` as symbols and say in `Recipe.size_guards` which sizes
    the graph serves; raise an `EngineError` subclass (with a cause and a remedy) when the
    call cannot run: the engine falls back to eager.
-2. `instantiate(recipe, miss, step, settings, progress)`: sessions for a recipe (built just
+2. `instantiate(recipe, miss, hooks, settings, progress)`: sessions for a recipe (built just
    now or loaded from disk) as a `Program`. `Program.run(feeds, recompute)` takes the
    tensors named by `feed_names` and returns the user outputs (then the checks output, when
    the recipe has checks); when `recipe.has_backward`, the outputs are tied into autograd
-   (the shared `bridge.py` has the autograd Function, the DLPack plumbing and the `Step`
-   updates: BatchNorm statistics, dropout seeds).
+   through the shared run-time: `graph_function.apply` (the autograd Function, which tells
+   `hooks` of a failed backward), `session.RunnableSession` (one session run, its
+   `ExecutionError`), `dlpack` (feeds and fetches without copies).
 3. `payload_from(meta, graphs)`: the payload again from what `Payload.meta()` and
    `Payload.graphs()` stored (the store's checksums say they are the bytes this tool wrote; a
    backend may check more before any session sees them), and `graph_version()`: what else
@@ -42,13 +43,14 @@ import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from ort_autopatch.engine import hazards
-    from ort_autopatch.engine.bridge import Step
+    from ort_autopatch.engine.errors import ExecutionError
     from ort_autopatch.engine.recipe import EngineOptions, Miss, Payload, Recipe
     from ort_autopatch.engine.session import SessionSettings
     from ort_autopatch.engine.signature import FlatCall
@@ -69,16 +71,44 @@ class Progress(Protocol):
     phase: str
 
 
+@dataclass(frozen=True)
+class RunHooks:
+    """What every program tells the engine while it runs, whatever its backend: given to
+    `Backend.instantiate`, honoured by the shared run-time (`graph_function`)."""
+
+    module_class: str
+    #: a training graph's backward failed (its forward had run in ORT, so that step cannot
+    #: run in PyTorch instead): the engine sends the class's later training calls to PyTorch
+    backward_failed: Callable[[ExecutionError], None] | None = None
+
+
 class Program(Protocol):
     """A recipe made runnable on one device: what a call through the cache runs."""
 
-    feed_names: Sequence[str]  # the graph inputs `run` takes, in order
-    torch_nodes: dict[str, int]  # operators running as torch-calling nodes ("aten::x": 2)
-    saved_graphs: dict[str, bytes]  # role -> the graph as it runs, for --save-onnx
+    @property
+    def feed_names(self) -> Sequence[str]:
+        """The graph inputs `run` takes, in order."""
+        ...
+
+    @property
+    def torch_nodes(self) -> dict[str, int]:
+        """Operators running as torch-calling nodes ("aten::x": 2)."""
+        ...
+
+    @property
+    def saved_graphs(self) -> dict[str, bytes]:
+        """Role -> the graph as it runs, for --save-onnx."""
+        ...
 
     def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
         """One call. `recompute`: keep nothing of a training forward and run it again in
         backward (parameters freed in between, FSDP2)."""
+        ...
+
+    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """What a run over `feeds` changes besides its outputs (buffers it updates, seeds it
+        takes), saved now: calling the result puts it back. The engine asks before running a
+        graph whose size checks may find that the call does not fit it after all."""
         ...
 
 
@@ -123,9 +153,14 @@ class Backend(ABC):
 
     @abstractmethod
     def instantiate(
-        self, recipe: Recipe, miss: Miss, step: Step, settings: SessionSettings, progress: Progress
+        self,
+        recipe: Recipe,
+        miss: Miss,
+        hooks: RunHooks,
+        settings: SessionSettings,
+        progress: Progress,
     ) -> Program:
-        """Sessions for a recipe on `miss.device`."""
+        """Sessions for a recipe on `miss.device`; its runs tell `hooks` what they must."""
 
     @staticmethod
     @abstractmethod

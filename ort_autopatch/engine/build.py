@@ -15,15 +15,14 @@ import logging
 import re
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import bridge, budget, session
-from ort_autopatch.engine.backend import Backend
+from ort_autopatch.engine import budget, session
+from ort_autopatch.engine.backend import Backend, RunHooks
 from ort_autopatch.engine.callkey import KeyMaker
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
@@ -200,21 +199,10 @@ class Builder:
                 )
             return False, state.index[where]
 
-        batch_norms = []
-        for name, mean_index, var_index in recipe.batch_norms:
-            bn = state.module_named(name)
-            if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                batch_norms.append(bridge.BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
-        step = bridge.Step(
-            self._cls,
-            recipe.num_user_outputs,
-            batch_norms,
-            recipe.seeds_dropout,
-            self._backward_failed,
-        )
-        program = self.backend.instantiate(recipe, miss, step, settings, progress)
+        hooks = RunHooks(self._cls, self._backward_failed)
+        program = self.backend.instantiate(recipe, miss, hooks, settings, progress)
         feeds = [locate(n) for n in program.feed_names]
-        return Entry(recipe, program, step, feeds)
+        return Entry(recipe, program, feeds)
 
 
 class _Progress:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import bridge, calls, signature
+from ort_autopatch.engine import calls, signature
 from ort_autopatch.engine.backend import Program
 from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.recipe import Recipe
@@ -23,7 +23,6 @@ from ort_autopatch.engine.state import ModuleState
 class Entry:
     recipe: Recipe
     program: Program
-    step: bridge.Step  # what the run changes besides its outputs (BatchNorm, dropout seeds)
     # per feed of `program.feed_names`: (True, user tensor index) or (False, index into
     # ModuleState.tensors)
     feeds: list[tuple[bool, int]]
@@ -32,15 +31,15 @@ class Entry:
         user, tensors = call.tensors, state.tensors
         feeds = [user[i] if is_user else tensors[i] for is_user, i in self.feeds]
         checks = self.recipe.checks
-        before = Undo(self.step) if checks else None
+        undo = self.program.undo_point(feeds) if checks else None
         try:
             outputs = self.program.run(feeds, recompute)
         except ExecutionError as exc:
-            if before is None or call.shapes() == self.recipe.traced_shapes:
+            if undo is None or call.shapes() == self.recipe.traced_shapes:
                 raise  # a failure of the graph itself, not of sizes it was not traced for
             # A graph that froze sizes (checks) and fails on other sizes: its structure
             # follows them (a split over time), so it is one graph per shape from now on.
-            before.undo()
+            undo()
             raise Specialises(checks[0].hazard.where) from exc
         if checks:
             computed, at = outputs[-1].tolist(), 0
@@ -49,8 +48,8 @@ class Entry:
                 got = computed[at : at + width] if check.is_list else computed[at]
                 at += width
                 if not check.holds(got):
-                    assert before is not None
-                    before.undo()
+                    assert undo is not None
+                    undo()
                     raise Specialises(check.hazard.where)
         result = self.recipe.output_spec.rebuild(outputs)
         if type(result) is calls.BufferUpdates:
@@ -67,25 +66,3 @@ class Specialises(Exception):
     def __init__(self, where: str) -> None:
         super().__init__(where)
         self.where = where
-
-
-class Undo:
-    """What a graph run changes besides its outputs (the RNG draw that seeds dropout, BatchNorm
-    running statistics), saved so a run whose checks fail leaves no trace."""
-
-    def __init__(self, step: bridge.Step) -> None:
-        self.rng = torch.random.get_rng_state() if step.seeds_dropout else None
-        self.buffers = [
-            (b, b.detach().clone())
-            for update in step.batch_norms
-            if (bn := update.module()) is not None
-            for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-            if b is not None
-        ]
-
-    def undo(self) -> None:
-        if self.rng is not None:
-            torch.random.set_rng_state(self.rng)
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)

@@ -266,8 +266,8 @@ def _split_by_size(tensor: Any, split_size: Any = None, *args: Any, **kwargs: An
 
 
 #: Code whose conversions the engine makes right itself: BatchNorm's `float(num_batches_tracked)`
-#: only sets the running-statistics factor, which the bridge applies by PyTorch's rule
-#: (bridge.BatchNormUpdate) instead of the graph.
+#: only sets the running-statistics factor, which the training build applies by PyTorch's rule
+#: (`backends/ort_training/run.BatchNormUpdate`) instead of the graph.
 _BENIGN = frozenset({torch.nn.modules.batchnorm._BatchNorm.forward.__code__})
 
 #: Subscripts: `x[..., : t.shape[-1] // 2]` asks the bound's `__index__`, yet the tracer records

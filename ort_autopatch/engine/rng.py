@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import random_ops
+from ort_autopatch.engine import random_ops, runtime
 
 _lock = threading.Lock()
 #: per stream ("run", "session", ...): the generator state last seen, seeds taken since
@@ -62,6 +62,16 @@ def seed_runtime(capi: Any, stream: str = "run") -> None:
     """Seed ORT's global generator: before each run of a graph with dropout ("run"), and
     before a session starts ("session"), when other random kernels seed their own."""
     capi.set_seed(next_seed(stream))
+
+
+def seed_runs(seed: int | None = None) -> int:
+    """Seed ORT's generator before a run of a graph that draws (dropout): with the stream's
+    next seed, or with `seed` to replay a run; the seed used. torch.manual_seed makes dropout
+    reproducible, and the user's generator is never drawn from."""
+    if seed is None:
+        seed = next_seed()
+    runtime.capi().set_seed(seed)
+    return seed
 
 
 def reset() -> None:

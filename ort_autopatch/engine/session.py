@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import rng, runtime
+from ort_autopatch.engine import dlpack, rng, runtime
 from ort_autopatch.engine.errors import (
+    ExecutionError,
     SessionError,
     UnsupportedDeviceError,
 )
@@ -238,6 +239,70 @@ def create(
             with open(target, "rb") as handle:
                 captured = handle.read()
     return session, captured
+
+
+@dataclass
+class RunnableSession:
+    """A session with everything one run passes it: what every backend's graph runs through."""
+
+    session: Any
+    feed_names: list[str]
+    fetch_names: list[str]
+    fetch_devices: list[Any]
+    run_options: Any
+    stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
+
+    @classmethod
+    def of(
+        cls, session: Any, device: torch.device, stream: Any, fetch_names: list[str] | None = None
+    ) -> RunnableSession:
+        """`session`'s inputs in its own order, and `fetch_names` (default: its outputs)."""
+        fetches = fetch_names or [o.name for o in session.get_outputs()]
+        return cls(
+            session=session,
+            feed_names=[i.name for i in session.get_inputs()],
+            fetch_names=fetches,
+            fetch_devices=[ort_device(device)] * len(fetches),
+            run_options=runtime.capi().RunOptions(),
+            stream=stream,
+        )
+
+    def run(
+        self, feeds: Sequence[torch.Tensor], kept: dlpack.KeptValues | None = None
+    ) -> list[torch.Tensor]:
+        """The fetches of one run over `feeds` (ORT's own exception on failure: the caller
+        names the phase, `execution_error`)."""
+        fetches = runtime.capi().OrtValueVector()
+        with dlpack.on_stream(self.stream) as caller:  # a shared no-op on CPU
+            self.session._sess.run_with_ortvaluevector(
+                self.run_options,
+                self.feed_names,
+                dlpack.push(feeds, kept),
+                self.fetch_names,
+                fetches,
+                self.fetch_devices,
+            )
+        return dlpack.pull(fetches, caller)
+
+
+def execution_error(
+    module_class: str, phase: str, exc: BaseException, inner: BaseException | None = None
+) -> ExecutionError:
+    """The error a failed run raises, for every backend: ORT's message, or the Python error
+    a torch-calling node hit (`inner`: ORT only saw its result)."""
+    cause = (
+        f"a torch-calling node failed in {phase}: {type(inner).__name__}: {inner}"
+        if inner is not None
+        else f"ONNX Runtime {phase} failed: {ort_message(exc)}"
+    )
+    remedy = (
+        "Its forward ran in ONNX Runtime, so this backward cannot run in PyTorch instead; the "
+        "class's later training calls run in PyTorch. Exclude the class "
+        "(ORT_AUTOPATCH_EXCLUDE) to run it in PyTorch from the start, and report the model"
+        if phase == "backward"
+        else "Run eagerly"
+    )
+    return ExecutionError(module_class, cause, remedy)
 
 
 def ort_message(exc: BaseException) -> str:

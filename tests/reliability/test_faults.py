@@ -4,6 +4,7 @@ state is what eager would have left, the next call works, and no half-built grap
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import shutil
@@ -190,7 +191,7 @@ def agent_faults(monkeypatch: pytest.MonkeyPatch) -> type[_AgentProxy]:
             fault = _AgentProxy.fail_forward if phase == "forward" else _AgentProxy.fail_backward
             if fault is not None:
                 self = copy.copy(self)
-                self.session = _FailingSession(fault)
+                self.runnable = dataclasses.replace(self.runnable, session=_FailingSession(fault))
             return real_run(self, cls, phase, *args, **kwargs)
 
         monkeypatch.setattr(program._Session, "run", run)
@@ -283,6 +284,31 @@ def test_ort_failing_inside_backward_raises_typed_and_writes_no_gradient(
     _assert_same_state(_state(model), _state(twin))  # no gradient was written
     agent_faults.fail_backward = None
     _fallback_leaves_eager_state(model, twin, x)
+
+
+def test_after_a_failed_backward_the_class_trains_in_pytorch_said_once(
+    agent_faults: type[_AgentProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backward that fails in ORT cannot fall back (its forward ran there): the user's
+    `backward()` raises, and every later training call of the class runs in PyTorch, on
+    every backend, even once ORT would work again; the warning comes once."""
+    model, twin, x = _pair()
+    _built_and_working(model, twin, x)
+    agent_faults.fail_backward = RuntimeError("injected: ORT backward failed")
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        out = model(x)
+        with pytest.raises(ExecutionError, match="backward failed"):
+            out.sum().backward()
+        twin.forward(x)  # eager's forward moved the same BatchNorm statistics
+        agent_faults.fail_backward = None
+        ort_calls, eager_calls = _stats()["ort_calls"], _stats()["eager_calls"]
+        for _ in range(3):
+            _fallback_leaves_eager_state(model, twin, x)
+    assert _stats()["ort_calls"] == ort_calls  # no training call went to ORT again
+    assert _stats()["eager_calls"] == eager_calls + 3
+    said = [r for r in caplog.records if "backward failed" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert [f["reason"] for f in _stats()["fallbacks"]] == ["execution failed"]
 
 
 def test_fallback_disable_raises_the_typed_error_and_leaves_state_untouched(

@@ -27,13 +27,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import bridge, calls, hazards, runtime, session, tracing
-from ort_autopatch.engine.backend import Backend, Progress
+from ort_autopatch.engine import calls, hazards, runtime, session, tracing
+from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
@@ -46,6 +46,9 @@ from ort_autopatch.engine.errors import (
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.sizes import SizeGuards
+
+if TYPE_CHECKING:
+    from ort_autopatch.engine.backends.ort.program import OrtProgram
 
 log = logging.getLogger("ort_autopatch")
 
@@ -65,20 +68,6 @@ class OrtPayload:
     def meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = self.lowered.meta()
         return meta
-
-
-class _Program:
-    """What an entry runs: the plain program over its feeds."""
-
-    def __init__(self, program: Any, feed_names: Sequence[str]) -> None:
-        self.program = program
-        self.feed_names = feed_names
-        self.torch_nodes: dict[str, int] = {}
-        self.saved_graphs: dict[str, bytes] = program.lowered.graphs()
-
-    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
-        outputs: Sequence[torch.Tensor] = self.program.run(feeds, recompute)
-        return outputs
 
 
 def _first_names(miss: Miss) -> dict[str, str]:
@@ -313,18 +302,17 @@ class OrtBackend(Backend):
         self,
         recipe: Recipe,
         miss: Miss,
-        step: bridge.Step,
+        hooks: RunHooks,
         settings: session.SessionSettings,
         progress: Progress,
-    ) -> _Program:
+    ) -> OrtProgram:
         from ort_autopatch.engine.backends.ort import program
 
         payload = recipe.payload
         assert isinstance(payload, OrtPayload), f"a {recipe.backend} recipe"
-        built = program.instantiate(payload.lowered, self.module_class, miss.device, settings)
-        # the forward graph's inputs in order: what `run` takes (a stored recipe's
-        # feed_sources may come back in another order)
-        runnable = _Program(built, payload.lowered.facts["forward"].inputs)
+        # its feeds are the forward graph's inputs in order (a stored recipe's feed_sources
+        # may come back in another order)
+        runnable = program.instantiate(payload.lowered, hooks, miss.device, settings)
         # A stored graph is not checked again: these very bytes passed the check when they
         # were built, for a call of the same key (class sources, dtypes, sizes its guards
         # admit, tool, torch and ORT versions); a check of a later call would compare the same
@@ -335,7 +323,7 @@ class OrtBackend(Backend):
             self._check(recipe, runnable, miss)
         return runnable
 
-    def _check(self, recipe: Recipe, runnable: _Program, miss: Miss) -> None:
+    def _check(self, recipe: Recipe, runnable: OrtProgram, miss: Miss) -> None:
         """The call that built the graph, through the graph and eagerly (`plain.check`)."""
         from ort_autopatch.engine.backends.ort import check
 
@@ -368,7 +356,7 @@ class OrtBackend(Backend):
         self.last_check = check.first_call(
             self.module_class,
             module,
-            runnable.program,
+            runnable,
             run_graph,
             run_eager,
             call.tensors,

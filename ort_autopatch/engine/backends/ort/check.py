@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import verify
-from ort_autopatch.engine.backends.ort.program import Program
+from ort_autopatch.engine.backends.ort.program import OrtProgram
 
 log = logging.getLogger("ort_autopatch")
 
@@ -40,7 +40,7 @@ class _EagerFailed(Exception):
     """The eager side of the comparison raised (its exception is the cause)."""
 
 
-def random_operators(program: Program) -> list[str]:
+def random_operators(program: OrtProgram) -> list[str]:
     if program.lowered.random_operators is not None:  # read when it was lowered
         return program.lowered.random_operators
     import onnx
@@ -52,7 +52,7 @@ def random_operators(program: Program) -> list[str]:
 def first_call(
     cls: str,
     module: torch.nn.Module,
-    program: Program,
+    program: OrtProgram,
     run_graph: Callable[[list[torch.Tensor]], Any],
     run_eager: Callable[[list[torch.Tensor]], Any],
     inputs: Sequence[torch.Tensor],

@@ -1,7 +1,7 @@
 """Running a captured call: a forward and a backward InferenceSession tied into autograd.
 
 The two FX graphs of a capture become ONNX graphs (`lowering`) and sessions; values cross in
-both directions through DLPack without copies (the engine's `bridge` plumbing, its kept values
+both directions through DLPack without copies (the engine's `dlpack` plumbing, its kept values
 of the module's tensors included). Inputs a graph merely passes through (parameters the
 backward reads, a gradient equal to its cotangent) are served on the torch side rather than
 sent through ORT. A call's Function saves what the partitioner chose for the backward with
@@ -10,21 +10,23 @@ the new values of the buffers forward updated (BatchNorm's statistics) into the 
 buffers, as eager's in-place update does. Dropout draws from ORT's generator, seeded before
 each forward from the tool's own stream (`rng`): torch's generator is never drawn from.
 
-A recomputing call (`PlainRecomputingCall`) saves the feeds alone and runs the forward session
-again in backward, with the forward's seed, before the backward session: for parameters
-freed between forward and backward (FSDP2's `reshard_after_forward`), and for a graph with
-dropout under activation checkpointing, whose own rerun of the call would draw another mask.
+A recomputing call (`OrtProgram.recomputing_forward`) saves the feeds alone and runs the
+forward session again in backward, with the forward's seed, before the backward session: for
+parameters freed between forward and backward (FSDP2's `reshard_after_forward`), and for a
+graph with dropout under activation checkpointing, whose own rerun of the call would draw
+another mask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ort_autopatch.engine import bridge, dlpack, rng, runtime, session
+from ort_autopatch.engine import dlpack, graph_function, rng, session
+from ort_autopatch.engine.backend import RunHooks
 from ort_autopatch.engine.backends.ort import lowering
 from ort_autopatch.engine.backends.ort.aliasing import Replay
 from ort_autopatch.engine.backends.ort.capture import Captured, Feed
@@ -33,24 +35,19 @@ from ort_autopatch.engine.errors import ExecutionError
 
 @dataclass
 class _Session:
-    """One graph's session and how to feed it and read it."""
+    """One graph's session, what feeds it among the values its caller holds, and where each
+    graph output comes from."""
 
-    session: Any
-    feed_names: list[str]
+    runnable: session.RunnableSession | None  # None: nothing to compute (`_session_for`)
     feeds: list[int]  # per session input: index into the values the caller holds
-    fetch_names: list[str]
-    fetch_devices: list[Any]
-    run_options: Any
-    stream: Any
     #: per graph output: ("onnx", fetch index), ("in", index into the caller's values) or
     #: ("none", -1)
     outputs: list[tuple[str, int]]
     draws: bool  # a run reads ORT's generator (dropout): seed it first
 
     def __post_init__(self) -> None:
-        # read once, not per run: the vector type, and whether the fetches are the outputs as
-        # they are (no input passed through, none missing)
-        self._vector = runtime.capi().OrtValueVector
+        # whether the fetches are the outputs as they are (no input passed through, none
+        # missing): read once, not per run
         self._as_fetched = self.outputs == [("onnx", k) for k in range(len(self.outputs))]
 
     def run(
@@ -63,26 +60,14 @@ class _Session:
     ) -> list[Any]:
         """The graph's outputs; a graph that draws is seeded with `seed`, else with the
         stream's next seed."""
-        if self.session is None:  # nothing to compute (`_session_for`)
+        if self.runnable is None:
             return [values[k] if kind == "in" else None for kind, k in self.outputs]
-        fetches = self._vector()
         if self.draws:
-            runtime.capi().set_seed(rng.next_seed() if seed is None else seed)
+            rng.seed_runs(seed)
         try:
-            with dlpack.on_stream(self.stream) as caller:  # a shared no-op on CPU
-                self.session._sess.run_with_ortvaluevector(
-                    self.run_options,
-                    self.feed_names,
-                    dlpack.push([values[k] for k in self.feeds], kept),
-                    self.fetch_names,
-                    fetches,
-                    self.fetch_devices,
-                )
+            got = self.runnable.run([values[k] for k in self.feeds], kept)
         except Exception as exc:
-            raise ExecutionError(
-                cls, f"ONNX Runtime {phase} failed: {session.ort_message(exc)}", "Run eagerly"
-            ) from exc
-        got = dlpack.pull(fetches, caller)
+            raise session.execution_error(cls, phase, exc) from exc
         if self._as_fetched:
             return got
         return [
@@ -296,37 +281,34 @@ def _session_for(
     if not any(kind == "onnx" for kind, _ in outputs):
         # Every output is an input passed through, made on the torch side, or None (a model
         # returning its input): no operator is left to run, and no session is made
-        return _Session(None, [], [], [], [], None, None, outputs, False)
+        return _Session(None, [], outputs, False)
     stream = session.compute_stream(device)
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
     sess, _ = session.create(
         model, device, settings, cls, False, stream=stream, disabled_optimizers=_KEEP_DROPOUT
     )
+    runnable = session.RunnableSession.of(sess, device, stream)
     inputs = {name: k for k, name in enumerate(facts.inputs)}
-    names = [i.name for i in sess.get_inputs()]
-    fetches = [o.name for o in sess.get_outputs()]
     return _Session(
-        session=sess,
-        feed_names=names,
-        feeds=[inputs[name] for name in names],
-        fetch_names=fetches,
-        fetch_devices=[session.ort_device(device)] * len(fetches),
-        run_options=runtime.capi().RunOptions(),
-        stream=stream,
+        runnable=runnable,
+        feeds=[inputs[name] for name in runnable.feed_names],
         outputs=outputs,
         draws=facts.draws,
     )
 
 
 @dataclass
-class Program:
-    """A lowered call with its sessions: what a call through the cache runs."""
+class OrtProgram:
+    """A lowered call with its sessions: what a call through the cache runs (the engine's
+    `backend.Program`), and, for a training call, the graph `graph_function`'s autograd
+    Functions run (`DifferentiableGraph`)."""
 
-    cls: str
+    hooks: RunHooks
+    feed_names: list[str]  # the forward graph's inputs, in order: what `run` takes
     lowered: Lowered
-    forward: _Session
-    backward: _Session | None
+    forward_session: _Session
+    backward_session: _Session | None
     kept: Any  # dlpack.KeptValues of the module's tensors among forward's feeds
     backward_kept: Any  # and among backward's (the parameters it reads)
     saves_mutated: frozenset[int]  # feeds backward reads that forward also writes
@@ -343,23 +325,41 @@ class Program:
     #: Function outputs (by position) that have no gradient: inputs' new values without one
     non_differentiable: frozenset[int]
 
+    torch_nodes: dict[str, int] = field(default_factory=dict)  # none: no torch-calling node
+
+    @property
+    def cls(self) -> str:
+        return self.hooks.module_class
+
+    @property
+    def saved_graphs(self) -> dict[str, bytes]:
+        graphs: dict[str, bytes] = self.lowered.graphs()
+        return graphs
+
+    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """The feeds forward writes (buffers, the caller's inputs) as they are now."""
+        saved = [(feeds[k], feeds[k].detach().clone()) for k in self.mutated]
+
+        def undo() -> None:
+            with torch.no_grad():
+                for tensor, value in saved:
+                    tensor.copy_(value)
+
+        return undo
+
     def run(self, feeds: Sequence[torch.Tensor], recompute: bool = False) -> list[torch.Tensor]:
         """One call: through autograd when it needs gradients, else forward alone.
-        `recompute`: keep nothing of the forward but its feeds (`PlainRecomputingCall`)."""
+        `recompute`: keep nothing of the forward but its feeds (`recomputing_forward`)."""
         lowered = self.lowered
         if lowered.input_mutations:
             _check_writable(lowered, feeds)
-        if self.backward is not None and torch.is_grad_enabled():
+        if self.backward_session is not None and torch.is_grad_enabled():
             # Saved-tensor hooks (activation checkpointing) rerun the whole call to get back
             # what it saved: a graph with dropout would draw another mask there, so it keeps
             # its feeds and seed and reruns itself.
-            if not recompute and self.forward.draws:
+            if not recompute and self.forward_session.draws:
                 recompute = _SAVED_TENSOR_HOOKS(False) is not None
-            function = PlainRecomputingCall if recompute else PlainTrainingCall
-            if bridge._TRANSFORMS_ACTIVE():  # functorch: torch's own path (and refusal)
-                outputs = function.apply(self, *feeds)
-            else:  # without Function.apply's Python layer, as `bridge.train` does
-                outputs = _C_APPLY[function](self, *map(bridge._UNWRAP_IF_DEAD, feeds))
+            outputs = graph_function.apply(self, feeds, recompute)
             if not lowered.regenerated and not lowered.input_mutations and not lowered.bases:
                 return list(outputs)
             slots: list[Any] = [None] * len(lowered.slots)
@@ -368,6 +368,58 @@ class Program:
         else:
             slots, _, _ = _forward(self, feeds)
         return _finish(lowered, feeds, slots)
+
+    # -- graph_function.DifferentiableGraph ---------------------------------------------------
+    def forward(self, ctx: Any, feeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        slots, outputs, before = _forward(self, feeds)
+        returned = _returned(ctx, self, slots)
+        ctx.zeros = _zeros(self, feeds, slots)
+        saved = []
+        for kind, k in self.lowered.backward_inputs:
+            if kind == "out":
+                saved.append(outputs[k])
+            elif kind == "feed":
+                saved.append(before.get(k, feeds[k]))
+        # the feeds and outputs backward reads through a view of them: saved for the
+        # version check only
+        ctx.save_for_backward(
+            *saved,
+            *[feeds[k] for k in self.lowered.viewed_feeds],
+            *[slots[k] for k in self.lowered.viewed_outputs],
+        )
+        return tuple(returned)
+
+    def backward(self, ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[Any]:
+        saved = iter(ctx.saved_tensors)  # checks every version, the viewed feeds' too
+        return _backward(self, ctx, saved, grads)
+
+    def recomputing_forward(
+        self, ctx: Any, feeds: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """Keeps nothing of forward but the feeds (the buffers it updates as it read them)
+        and its seed. The rerun in backward writes no buffer: the statistics were updated
+        once, by this forward."""
+        seed = rng.next_seed() if self.forward_session.draws else None
+        slots, _, before = _forward(self, feeds, seed, self.mutated)
+        returned = _returned(ctx, self, slots)
+        ctx.zeros = _zeros(self, feeds, slots)
+        ctx.seed = seed
+        # after the buffer updates bumped their versions: a later in-place write to a feed
+        # raises in backward, as eager's saved tensors do
+        ctx.save_for_backward(*[before.get(k, feed) for k, feed in enumerate(feeds)])
+        return tuple(returned)
+
+    def recomputing_backward(self, ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[Any]:
+        feeds = ctx.saved_tensors
+        # not through the kept values: the saved copies of updated buffers would displace
+        # the buffers' own
+        outputs = self.forward_session.run(self.cls, "forward", feeds, None, ctx.seed)
+        saved = (
+            outputs[k] if kind == "out" else feeds[k]
+            for kind, k in self.lowered.backward_inputs
+            if kind != "tangent"
+        )
+        return _backward(self, ctx, saved, grads)
 
 
 def _check_writable(lowered: Lowered, feeds: Sequence[torch.Tensor]) -> None:
@@ -418,9 +470,10 @@ def _finish(lowered: Lowered, feeds: Sequence[torch.Tensor], slots: list[Any]) -
 
 
 def instantiate(
-    lowered: Lowered, cls: str, device: torch.device, settings: session.SessionSettings
-) -> Program:
+    lowered: Lowered, hooks: RunHooks, device: torch.device, settings: session.SessionSettings
+) -> OrtProgram:
     """Sessions for both graphs."""
+    cls = hooks.module_class
     dlpack.use_inference_dlpack()
     facts = lowered.facts
     forward = _session_for(
@@ -450,11 +503,12 @@ def instantiate(
     tangents = {k for kind, k in lowered.backward_inputs if kind == "tangent"}
     zeros = frozenset(tangents - set(position))
     first_write = len(lowered.user_outputs) + len(lowered.bases)
-    return Program(
-        cls=cls,
+    return OrtProgram(
+        hooks=hooks,
+        feed_names=facts["forward"].inputs,
         lowered=lowered,
-        forward=forward,
-        backward=backward,
+        forward_session=forward,
+        backward_session=backward,
         kept=_kept(forward, module_feeds),
         backward_kept=_kept(backward, read_module) if backward is not None else None,
         saves_mutated=frozenset(saves_mutated),
@@ -477,7 +531,7 @@ def _kept(session: _Session, values: set[int]) -> dlpack.KeptValues:
 
 
 def _forward(
-    program: Program,
+    program: OrtProgram,
     feeds: Sequence[torch.Tensor],
     seed: int | None = None,
     keep: frozenset[int] | None = None,
@@ -487,7 +541,7 @@ def _forward(
     outputs and, by feed index, the written feeds in `keep` (default: those backward reads)
     as forward saw them. Writes into the caller's inputs are left to `_finish`."""
     lowered = program.lowered
-    outputs = program.forward.run(program.cls, "forward", feeds, program.kept, seed)
+    outputs = program.forward_session.run(program.cls, "forward", feeds, program.kept, seed)
     before: dict[int, torch.Tensor] = {}
     if lowered.mutations or lowered.input_mutations:
         keep = program.saves_mutated if keep is None else keep
@@ -499,38 +553,8 @@ def _forward(
     return [outputs[k] for k in lowered.slots], outputs, before
 
 
-class PlainTrainingCall(torch.autograd.Function):
-    """Forward and backward sessions of one captured call; the feeds are the Function's
-    inputs, so autograd routes each gradient to its parameter or input."""
-
-    @staticmethod
-    def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        slots, outputs, before = _forward(program, feeds)
-        returned = _returned(ctx, program, slots)
-        ctx.zeros = _zeros(program, feeds, slots)
-        saved = []
-        for kind, k in program.lowered.backward_inputs:
-            if kind == "out":
-                saved.append(outputs[k])
-            elif kind == "feed":
-                saved.append(before.get(k, feeds[k]))
-        # the feeds and outputs backward reads through a view of them: saved for the
-        # version check only
-        ctx.save_for_backward(
-            *saved,
-            *[feeds[k] for k in program.lowered.viewed_feeds],
-            *[slots[k] for k in program.lowered.viewed_outputs],
-        )
-        return tuple(returned)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)  # checks every version, the viewed feeds' too
-        return (None, *_backward(ctx, saved, grad_outputs))
-
-
 def _zeros(
-    program: Program, feeds: Sequence[torch.Tensor], slots: list[Any]
+    program: OrtProgram, feeds: Sequence[torch.Tensor], slots: list[Any]
 ) -> dict[int, tuple[Any, torch.dtype, torch.device]]:
     """Shape, type and device of the zero cotangents (`Program.tangent_zeros`): their outputs
     made from their bases here, without autograd, for the shapes alone."""
@@ -552,12 +576,11 @@ def _zeros(
     return found
 
 
-def _returned(ctx: Any, program: Program, slots: list[Any]) -> list[Any]:
+def _returned(ctx: Any, program: OrtProgram, slots: list[Any]) -> list[Any]:
     """The outputs a training Function returns, its context told about them: user outputs
     the torch side makes are not among them (`_finish`), an integer output and an input's new
     value without a gradient have none."""
     returned = [slots[k] for k in program.returned]
-    ctx.program = program
     ctx.output_info = [(o.shape, o.dtype, o.device) for o in returned]
     ctx.set_materialize_grads(False)
     for position, out in enumerate(returned):
@@ -567,12 +590,14 @@ def _returned(ctx: Any, program: Program, slots: list[Any]) -> list[Any]:
 
 
 def _backward(
-    ctx: Any, saved: Iterator[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]
+    program: OrtProgram,
+    ctx: Any,
+    saved: Iterator[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor | None],
 ) -> list[Any]:
     """The backward session on the cotangents and `saved` (forward's values backward reads,
     in `backward_inputs` order): one gradient (or None) per feed."""
-    program: Program = ctx.program
-    assert program.backward is not None
+    assert program.backward_session is not None
     values: list[torch.Tensor] = []
     for kind, k in program.lowered.backward_inputs:
         if kind == "tangent":
@@ -586,49 +611,11 @@ def _backward(
             values.append(grad)
         else:
             values.append(next(saved))
-    grads: list[Any] = program.backward.run(program.cls, "backward", values, program.backward_kept)
+    grads: list[Any] = program.backward_session.run(
+        program.cls, "backward", values, program.backward_kept
+    )
     return grads
 
 
-class PlainRecomputingCall(torch.autograd.Function):
-    """A training call that keeps nothing of its forward but the feeds (the buffers it
-    updates as it read them): backward runs the forward session again on them, seeded as the
-    first run was, then the backward session (`bridge.RecomputingTrainingCall`'s contract).
-
-    Costs one more forward and holds no activations in between, as activation checkpointing
-    does. The rerun writes no buffer: the statistics were updated once, by the forward."""
-
-    @staticmethod
-    def forward(ctx: Any, program: Program, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        seed = rng.next_seed() if program.forward.draws else None
-        slots, _, before = _forward(program, feeds, seed, program.mutated)
-        returned = _returned(ctx, program, slots)
-        ctx.zeros = _zeros(program, feeds, slots)
-        ctx.seed = seed
-        # after the buffer updates bumped their versions: a later in-place write to a feed
-        # raises in backward, as eager's saved tensors do
-        ctx.save_for_backward(*[before.get(k, feed) for k, feed in enumerate(feeds)])
-        return tuple(returned)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        program: Program = ctx.program
-        feeds = ctx.saved_tensors
-        # not through the kept values: the saved copies of updated buffers would displace
-        # the buffers' own
-        outputs = program.forward.run(program.cls, "forward", feeds, None, ctx.seed)
-        saved = (
-            outputs[k] if kind == "out" else feeds[k]
-            for kind, k in program.lowered.backward_inputs
-            if kind != "tangent"
-        )
-        return (None, *_backward(ctx, saved, grad_outputs))
-
-
-# `Function.apply` without its Python layer (see `bridge._C_APPLY`)
-_C_APPLY: dict[type[torch.autograd.Function], Any] = {
-    function: super(torch.autograd.Function, function).apply  # type: ignore[misc]
-    for function in (PlainTrainingCall, PlainRecomputingCall)
-}
 #: the innermost saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), or None
 _SAVED_TENSOR_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks

@@ -5,7 +5,7 @@ InferenceSession over the forward graph for calls that need no gradients."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from ort_autopatch.engine.errors import (
     UnsupportedInputError,
 )
 from ort_autopatch.engine.session import (
+    RunnableSession,
     SessionSettings,
     compute_stream,
     create,
@@ -27,16 +28,10 @@ from ort_autopatch.engine.session import (
 
 
 @dataclass
-class InferenceProgram:
+class InferenceProgram(RunnableSession):
     """Forward only: eval mode, or train mode with gradients off."""
 
-    session: Any
-    feed_names: list[str]
-    fetch_names: list[str]
-    fetch_devices: list[Any]
-    run_options: Any = field(default=None)
     optimized: bytes | None = None  # ORT's optimised graph, when asked to capture it
-    stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
 
 
 def build_inference(

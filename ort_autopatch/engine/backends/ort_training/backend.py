@@ -4,7 +4,8 @@ A build exports `forward` once with the TorchScript exporter (`export.py`; the t
 judged), falls back to static shapes where ORT 1.19.2 needs them, sends operators ORT cannot
 differentiate to torch (`PythonOp`/`ATen` nodes) and exports again, applies the graph passes,
 and lets ORT's `OrtModuleGraphBuilder` build the gradient graph (`agent.build_gradient`). A
-training program is a `TrainingAgent` over that graph, run through `bridge.train`; an
+training program is a `TrainingAgent` over that graph (`run.TrainingGraph`, through the
+shared `graph_function.apply`); an
 inference program an `InferenceSession` over the forward graph. On CPU, ORT's slow gradient
 kernels are swapped for torch-calling nodes when the session is made
 (`torch_in_graph/gradients.py`), so the stored recipe names no process's callables.
@@ -16,7 +17,8 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,16 +27,22 @@ import torch
 
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
-    bridge,
     budget,
     dlpack,
+    graph_function,
     hazards,
     rng,
     runtime,
     session,
 )
-from ort_autopatch.engine.backend import Backend, Progress
+from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort_training import agent, export, graph, heap, passes
+from ort_autopatch.engine.backends.ort_training.run import (
+    BatchNormUpdate,
+    RunEffects,
+    TrainingGraph,
+    run_inference,
+)
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
@@ -100,7 +108,8 @@ class _Training:
     def __init__(
         self,
         program: agent.TrainingProgram,
-        step: bridge.Step,
+        effects: RunEffects,
+        hooks: RunHooks,
         kept: dlpack.KeptValues,
         torch_nodes: dict[str, int],
         saved_graphs: dict[str, bytes],
@@ -110,13 +119,16 @@ class _Training:
         self.feed_names: Sequence[str] = program.feed_names
         self.torch_nodes = torch_nodes
         self.saved_graphs = saved_graphs
-        self.graph = bridge.TrainingGraph(program, step, kept)
+        self.graph = TrainingGraph(program, effects, hooks, kept)
         self._upgrade = upgrade
 
     def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
         if self._upgrade is not None and self._upgrade.due():
             self._take_upgrade()
-        return bridge.train(self.graph, feeds, recompute)
+        return graph_function.apply(self.graph, feeds, recompute)
+
+    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
+        return self.graph.effects.undo_point()
 
     def _take_upgrade(self) -> None:
         upgrade, self._upgrade = self._upgrade, None  # one try, by whichever thread comes
@@ -130,7 +142,7 @@ class _Training:
             return
         self.program = program
         kept = _kept(upgrade.recipe, program.feed_names)
-        self.graph = bridge.TrainingGraph(program, self.graph.step, kept)
+        self.graph = dataclasses.replace(self.graph, program=program, kept=kept)
         self.torch_nodes = nodes.Inventory.of(graph.load(model)).counts
         self.saved_graphs = {"gradient": model}
         log.info("%s: the ATen executor is ready; its gradient nodes now call torch", upgrade.cls)
@@ -171,19 +183,24 @@ class _Inference:
     def __init__(
         self,
         program: agent.InferenceProgram,
-        step: bridge.Step,
+        effects: RunEffects,
+        hooks: RunHooks,
         kept: dlpack.KeptValues,
         torch_nodes: dict[str, int],
     ) -> None:
         self.program = program
-        self.step = step
+        self.effects = effects
+        self.hooks = hooks
         self.kept = kept
         self.feed_names: Sequence[str] = program.feed_names
         self.torch_nodes = torch_nodes
         self.saved_graphs: dict[str, bytes] = {}
 
     def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
-        return bridge.run_inference(self.program, self.step, feeds, self.kept)
+        return run_inference(self.program, self.effects, self.hooks, feeds, self.kept)
+
+    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
+        return self.effects.undo_point()
 
 
 def _require_training_build() -> None:
@@ -462,13 +479,14 @@ class OrtTrainingBackend(Backend):
         self,
         recipe: Recipe,
         miss: Miss,
-        step: bridge.Step,
+        hooks: RunHooks,
         settings: session.SessionSettings,
         progress: Progress,
     ) -> _Training | _Inference:
         _require_training_build()
         payload = _payload(recipe)
         device, cls = miss.device, self.module_class
+        effects = _effects(recipe, miss.state)
         capture = self.options.cache_dir is not None and payload.optimized is None
         if payload.gradient is not None:
             shapes = _input_shapes(recipe, miss.call)
@@ -503,7 +521,8 @@ class OrtTrainingBackend(Backend):
                     return made
 
                 upgrade = _Upgrade(cls, recipe, with_executor, device, settings)
-            return _Training(program, step, kept, counts, {"gradient": ran.model}, upgrade)
+            saved = {"gradient": ran.model}
+            return _Training(program, effects, hooks, kept, counts, saved, upgrade)
         inference = agent.build_inference(
             payload.optimized or recipe.forward_model,
             device,
@@ -514,7 +533,7 @@ class OrtTrainingBackend(Backend):
         )
         payload.optimized = payload.optimized or inference.optimized
         kept = _kept(recipe, inference.feed_names)
-        return _Inference(inference, step, kept, recipe.torch_nodes)
+        return _Inference(inference, effects, hooks, kept, recipe.torch_nodes)
 
     def _executor_folder(self) -> Path | None:
         """Where the ATen executor is cached; None: it is never compiled (the option is off)."""
@@ -605,6 +624,16 @@ def _payload(recipe: Recipe) -> OrtTrainingPayload:
     payload = recipe.payload
     assert isinstance(payload, OrtTrainingPayload), f"a {recipe.backend} recipe"
     return payload
+
+
+def _effects(recipe: Recipe, state: ModuleState) -> RunEffects:
+    """What the recipe's runs change besides their outputs, bound to the module's BatchNorms."""
+    batch_norms = []
+    for name, mean_index, var_index in recipe.batch_norms:
+        bn = state.module_named(name)
+        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+            batch_norms.append(BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
+    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
 
 
 def _kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:

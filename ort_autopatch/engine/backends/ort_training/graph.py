@@ -112,13 +112,14 @@ class BatchNormStats:
 
 
 def batch_norm_statistics(model: onnx.ModelProto) -> list[BatchNormStats]:
-    """Route training BatchNorm statistics to graph outputs; the bridge updates the buffers.
+    """Route training BatchNorm statistics to graph outputs; `run.BatchNormUpdate` updates
+    the buffers.
 
     ORT's kernel updates running stats with the biased variance, writes them into the fed
     buffers in place, never counts num_batches_tracked and cannot do momentum=None. With
     momentum 0 and internal placeholder inputs, its running-stat outputs become the plain batch
     mean and biased variance; the variance is rescaled by n/(n-1) in the graph (n, the elements
-    per channel, is only known there) and PyTorch's update rule is left to the bridge.
+    per channel, is only known there) and PyTorch's update rule is left to `run.BatchNormUpdate`.
     """
     inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     found: list[BatchNormStats] = []

@@ -305,3 +305,15 @@ def test_half_precision_batch_norm_computes_in_float_like_aten() -> None:
     for a, e in zip(got, expected, strict=True):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bernoulli_p_draws_zeros_and_ones_at_rate_p_in_the_inputs_dtype(
+    p: float, dtype: torch.dtype
+) -> None:
+    x = torch.empty(200, 300, dtype=dtype)
+    drawn = decompositions.bernoulli_p(x, p)
+    assert drawn.dtype == dtype and drawn.shape == x.shape
+    assert bool(((drawn == 0) | (drawn == 1)).all())
+    assert abs(float(drawn.mean()) - p) < 0.01

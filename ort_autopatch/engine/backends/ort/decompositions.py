@@ -24,6 +24,12 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   convolution with a constant kernel): torch has none either.
 - pooling, normalisation, embedding, dropout and loss backwards: torch's decompositions,
   named so the tests can hold each one to eager.
+- `bernoulli.p` (feature dropout's mask: `dropout1d/2d/3d`, `Dropout2d` on any rank):
+  torchlib's translation draws from `RandomUniformLike` inside a local function, whose
+  generator ORT seeds once per session: unseen by the tool's seeding and by the first-call
+  check (which then compared a random mask with eager's and refused every such graph), and
+  drawing another mask where a graph is run again with the forward's seed. Ours is the mask
+  of an ONNX `Dropout` over ones, drawn per run from the tool's stream like `nn.Dropout`'s.
 - `adaptive_avg_pool2d` (`BEFORE_AUTOGRAD`): ATen's composite kernel, for an output of 1x1
   over a channels-last input, re-strides the mean it computes in place (`as_strided_`, a
   change of strides alone: every size-1 layout is both contiguous and channels-last), and
@@ -246,6 +252,23 @@ def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torc
     if all(size == 1 for size in output_size):
         return input.mean([-1, -2], keepdim=True)
     return aten._adaptive_avg_pool2d(input, output_size)
+
+
+def bernoulli_p(
+    input: torch.Tensor, p: float = 0.5, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Ones with probability `p`, zeros elsewhere, in the input's shape and dtype: the kept
+    mask of a dropout of ones at rate 1 - p (ONNX `Dropout`, whose mask is boolean, so the
+    values are exactly 0 and 1 as ATen's). Dropout's rate must lie in [0, 1): the two
+    certain cases are constants."""
+    if generator is not None:
+        return NotImplemented
+    if p >= 1:
+        return torch.ones_like(input)
+    if p <= 0:
+        return torch.zeros_like(input)
+    _, kept = aten.native_dropout(torch.ones_like(input), 1 - p, True)
+    return kept.to(input.dtype)
 
 
 def select_backward(
@@ -480,6 +503,7 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+    aten.bernoulli.p: bernoulli_p,
 }
 
 

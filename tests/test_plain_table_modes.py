@@ -235,3 +235,101 @@ def test_lstm_batchnorm_dropout2d_classifier_trains_as_eager_with_the_same_masks
             eager_optimizer.step()
     assert abs(sum(kept) / len(kept) - 0.5) < 0.1, f"kept rates {kept}"
     assert engine.builds == 1
+
+
+# -- attention -----------------------------------------------------------------------------------
+class MaskedAttention(nn.Module):
+    """Attention under an additive mask as transformers builds it: the dtype's minimum where
+    a key is padding, so a sequence whose keys are all padding has rows of the minimum only
+    (eager's CPU flash kernel: uniform weights forward, unnormalised ones backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = (1.0 - keep[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(batch, length, 16))
+
+
+def _keep(batch: int, length: int) -> torch.Tensor:
+    keep = (torch.rand(batch, length) > 0.3).long()
+    keep[0] = 0  # a sequence of padding alone
+    return keep
+
+
+@pytest.mark.parametrize(
+    "sizes", [[(4, 6)] * 2, [(4, 6), (3, 9), (5, 4), (2, 7)]], ids=["static", "symbolic"]
+)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_attention_with_fully_masked_rows_equals_eager(
+    sizes: list[tuple[int, int]], training: bool
+) -> None:
+    torch.manual_seed(0)
+    model, eager = MaskedAttention().train(training), MaskedAttention().train(training)
+    eager.load_state_dict(model.state_dict())
+    engine = ModuleEngine(model, PLAIN)
+    for step, (batch, length) in enumerate(sizes):
+        x, keep = torch.randn(batch, length, 16), _keep(batch, length)
+        with torch.set_grad_enabled(training):
+            out, expected = engine(x, keep), eager(x, keep)
+        assert not training or ran_in_plain_ort(out), f"call {step} ran elsewhere"
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        if training:
+            model.zero_grad()
+            eager.zero_grad()
+            cotangent = torch.randn_like(out)
+            out.backward(cotangent)
+            expected.backward(cotangent)
+            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert [r.dynamic for r in engine.records] == [False, True][: len(set(sizes))]
+
+
+def test_bert_classifier_with_varying_batch_and_length_and_padding_masks_equals_eager() -> None:
+    """ONNX Runtime's own API test's data: attention masks of values 0 to 99 (a key counts
+    where the mask is 1, so most rows mask every key), padding ids, one label."""
+    transformers = pytest.importorskip("transformers")
+
+    def bert() -> nn.Module:
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            num_labels=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            problem_type="single_label_classification",
+        )
+        return transformers.BertForSequenceClassification(config)
+
+    model, eager = bert(), bert()
+    engine = ModuleEngine(model, PLAIN)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(2)
+    for step, (batch, length) in enumerate([(8, 12), (5, 9), (3, 14), (6, 7)]):
+        ids = torch.randint(0, 100, (batch, length), generator=generator)
+        mask = torch.randint(0, 100, (batch, length), generator=generator)
+        labels = torch.zeros(batch, dtype=torch.long)
+        out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+        expected = eager(input_ids=ids, attention_mask=mask, labels=labels)
+        assert ran_in_plain_ort(out.loss), f"call {step} ran elsewhere"
+        torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        out.loss.backward()
+        expected.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        optimizer.step()
+        eager_optimizer.step()
+    assert [r.dynamic for r in engine.records] == [False, True]

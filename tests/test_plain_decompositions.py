@@ -112,10 +112,33 @@ def test_adaptive_avg_pool2d_backward_equals_atens(out: tuple[int, int]) -> None
     torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
 
 
-def test_adaptive_avg_pool2d_backward_refuses_uneven_sizes() -> None:
-    x, g = torch.randn(1, 1, 7, 7), torch.randn(1, 1, 3, 3)
-    with pytest.raises(decompositions.UndecomposableError, match="adaptive_avg_pool2d"):
-        decompositions.adaptive_avg_pool2d_backward(g, x)
+@pytest.mark.parametrize(("size", "out"), [((7, 7), (3, 3)), ((5, 9), (2, 4)), ((3, 4), (5, 6))])
+def test_adaptive_avg_pool2d_backward_over_uneven_windows_equals_atens(
+    size: tuple[int, int], out: tuple[int, int]
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    g = torch.randn(2, 3, *out, dtype=torch.float64)
+    expected = aten._adaptive_avg_pool2d_backward(g, x)
+    torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
+
+
+@pytest.mark.parametrize(
+    ("size", "out"), [((4, 4, 4), (2, 2, 2)), ((5, 7, 6), (2, 3, 4)), ((3, 2, 4), (4, 3, 1))]
+)
+@pytest.mark.parametrize("batched", [True, False])
+def test_adaptive_avg_pool3d_and_its_backward_equal_atens(
+    size: tuple[int, ...], out: tuple[int, ...], batched: bool
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*((2,) if batched else ()), 3, *size, dtype=torch.float64)
+    expected = aten._adaptive_avg_pool3d(x, out)
+    torch.testing.assert_close(decompositions.adaptive_avg_pool3d(x, out), expected)
+    g = torch.randn_like(expected)
+    torch.testing.assert_close(
+        decompositions.adaptive_avg_pool3d_backward(g, x),
+        aten._adaptive_avg_pool3d_backward(g, x),
+    )
 
 
 @pytest.mark.parametrize("out", [(1, 1), 1, (2, 3), (4, 6)])

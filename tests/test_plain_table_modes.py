@@ -333,3 +333,79 @@ def test_bert_classifier_with_varying_batch_and_length_and_padding_masks_equals_
         optimizer.step()
         eager_optimizer.step()
     assert [r.dynamic for r in engine.records] == [False, True]
+
+
+# -- adaptive average pools ----------------------------------------------------------------------
+# (pool, input shape, output size): windows that tile the input and windows of unequal,
+# overlapping lengths; batched and unbatched; 1-d, 2-d and 3-d
+ADAPTIVE_POOLS: list[tuple[type[nn.Module], tuple[int, ...], int | tuple[int, ...]]] = [
+    (nn.AdaptiveAvgPool1d, (2, 4, 8), 4),
+    (nn.AdaptiveAvgPool1d, (2, 4, 7), 3),
+    (nn.AdaptiveAvgPool1d, (4, 7), 3),
+    (nn.AdaptiveAvgPool2d, (2, 4, 8, 6), (4, 3)),
+    (nn.AdaptiveAvgPool2d, (2, 4, 7, 7), (3, 3)),
+    (nn.AdaptiveAvgPool2d, (4, 7, 5), (3, 2)),
+    (nn.AdaptiveAvgPool2d, (2, 4, 3, 4), (5, 6)),  # more outputs than inputs
+    (nn.AdaptiveAvgPool3d, (1, 4, 4, 6, 4), 2),
+    (nn.AdaptiveAvgPool3d, (1, 4, 5, 7, 6), (2, 3, 4)),
+    (nn.AdaptiveAvgPool3d, (4, 5, 7, 6), (2, 3, 4)),
+]
+
+
+class Pooled(nn.Module):
+    def __init__(self, pool: type[nn.Module], out: int | tuple[int, ...], channels: int) -> None:
+        super().__init__()
+        self.pool = pool(out)
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = int(type(self.pool).__name__[-2])
+        scale = self.weight.reshape(-1, *([1] * dims))
+        return self.pool(x * scale)
+
+
+def _pool_id(case: tuple[type[nn.Module], tuple[int, ...], int | tuple[int, ...]]) -> str:
+    return f"{case[0].__name__}-{'x'.join(map(str, case[1]))}-to-{case[2]}"
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", ADAPTIVE_POOLS, ids=_pool_id)
+def test_adaptive_average_pools_equal_eager(
+    case: tuple[type[nn.Module], tuple[int, ...], int | tuple[int, ...]],
+    training: bool,
+    symbolic: bool,
+) -> None:
+    """With symbolic sizes the spatial sizes change every call, so the windows do."""
+    pool, shape, out = case
+    dims = int(pool.__name__[-2])
+    channel = len(shape) - dims - 1
+    if symbolic:
+        shapes = [shape] + [
+            tuple(s if d <= channel else s + extra for d, s in enumerate(shape))
+            for extra in (1, 3, 2)
+        ]
+    else:
+        shapes = [shape] * 2
+    model = Pooled(pool, out, shape[channel]).train(training)
+    eager = Pooled(pool, out, shape[channel]).train(training)
+    engine = ModuleEngine(model, PLAIN)
+    for step, size in enumerate(shapes):
+        x = torch.randn(size)
+        x_eager = x.clone().requires_grad_(training)
+        x = x.requires_grad_(training)
+        with torch.set_grad_enabled(training):
+            y, expected = engine(x), eager(x_eager)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+        if training:
+            assert ran_in_plain_ort(y), f"call {step} ({size}) ran elsewhere"
+            model.zero_grad()
+            eager.zero_grad()
+            cotangent = torch.randn_like(y)
+            y.backward(cotangent)
+            expected.backward(cotangent)
+            torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(model.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
+    dynamic = [r.dynamic for r in engine.records]
+    # symbolic: windows that tile and windows that do not take a graph each (a size guard)
+    assert dynamic[0] is False and any(dynamic) == symbolic

@@ -21,7 +21,9 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - `select_backward` and `slice_backward`: as pads rather than torch's scatters into zeros,
   which ORT runs as ScatterElements (a quarter of a transformer layer's step).
 - `avg_pool2d_backward` and `_adaptive_avg_pool2d_backward` (the cases an average pool is a
-  convolution with a constant kernel): torch has none either.
+  convolution with a constant kernel; other adaptive sizes as one matrix product per
+  dimension with the windows' weights): torch has none either. `_adaptive_avg_pool3d` and
+  its backward the same way (torchlib has no 3-d adaptive pool).
 - pooling, normalisation, embedding, dropout and loss backwards: torch's decompositions,
   named so the tests can hold each one to eager.
 - `bernoulli.p` (feature dropout's mask: `dropout1d/2d/3d`, `Dropout2d` on any rank):
@@ -233,16 +235,55 @@ def avg_pool2d_backward(
     return result if batched else result.squeeze(0)
 
 
+def _adaptive_weights(
+    size_in: Any, size_out: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(size_out, size_in): row i averages ATen's window i of one dimension, from
+    floor(i * in / out) to ceil((i + 1) * in / out), each element weighted by one over the
+    window's length. Built from the sizes by integer arithmetic on tensors, so a graph with
+    symbolic sizes builds it for each call's."""
+    index = torch.arange(size_out, device=device)
+    start = torch.div(index * size_in, size_out, rounding_mode="floor")
+    end = torch.div((index + 1) * size_in + size_out - 1, size_out, rounding_mode="floor")
+    position = torch.arange(size_in, device=device)
+    inside = (position >= start.unsqueeze(1)) & (position < end.unsqueeze(1))
+    return inside.to(dtype) / (end - start).unsqueeze(1).to(dtype)
+
+
+def _adaptive_apply(x: torch.Tensor, sizes: Sequence[Any], transposed: bool) -> torch.Tensor:
+    """Contract each of x's trailing len(sizes) dims with its window weights: a pool to
+    `sizes` (x's sizes are the inputs'), or, `transposed`, its adjoint back to `sizes`."""
+    dims = len(sizes)
+    for d in range(dims):
+        axis = x.dim() - dims + d
+        size_here = x.shape[axis]
+        weights = (
+            _adaptive_weights(sizes[d], size_here, x.dtype, x.device)
+            if transposed
+            else _adaptive_weights(size_here, sizes[d], x.dtype, x.device).transpose(0, 1)
+        )
+        x = torch.matmul(x.movedim(axis, -1), weights).movedim(-1, axis)
+    return x
+
+
 def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    """An adaptive average pool whose sizes divide evenly is an average pool."""
+    """An adaptive average pool whose sizes divide evenly is an average pool; other sizes
+    (windows of unequal lengths, overlapping) spread each output's gradient over its window
+    by one matrix product per dimension."""
     size_in, size_out = input.shape[-2:], grad_output.shape[-2:]
     if any(i % o for i, o in zip(size_in, size_out, strict=True)):
-        raise UndecomposableError(
-            f"aten._adaptive_avg_pool2d_backward from {tuple(size_in)} to {tuple(size_out)} "
-            "(sizes that do not divide evenly)"
-        )
+        return _adaptive_apply(grad_output, list(size_in), transposed=True)
     kernel = [i // o for i, o in zip(size_in, size_out, strict=True)]
     return avg_pool2d_backward(grad_output, input, kernel, kernel, [0, 0], False, True, None)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """`_adaptive_avg_pool3d` (torchlib has none): one matrix product per dimension."""
+    return _adaptive_apply(input, list(output_size), transposed=False)
+
+
+def adaptive_avg_pool3d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    return _adaptive_apply(grad_output, list(input.shape[-3:]), transposed=True)
 
 
 def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
@@ -604,6 +645,8 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+    aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+    aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
     aten.bernoulli.p: bernoulli_p,
     aten._scaled_dot_product_flash_attention_for_cpu.default: (
         scaled_dot_product_flash_attention_for_cpu

@@ -7,6 +7,7 @@ Pure torch: each decomposition is called on real tensors beside the operator it 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -111,10 +112,33 @@ def test_adaptive_avg_pool2d_backward_equals_atens(out: tuple[int, int]) -> None
     torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
 
 
-def test_adaptive_avg_pool2d_backward_refuses_uneven_sizes() -> None:
-    x, g = torch.randn(1, 1, 7, 7), torch.randn(1, 1, 3, 3)
-    with pytest.raises(decompositions.UndecomposableError, match="adaptive_avg_pool2d"):
-        decompositions.adaptive_avg_pool2d_backward(g, x)
+@pytest.mark.parametrize(("size", "out"), [((7, 7), (3, 3)), ((5, 9), (2, 4)), ((3, 4), (5, 6))])
+def test_adaptive_avg_pool2d_backward_over_uneven_windows_equals_atens(
+    size: tuple[int, int], out: tuple[int, int]
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    g = torch.randn(2, 3, *out, dtype=torch.float64)
+    expected = aten._adaptive_avg_pool2d_backward(g, x)
+    torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
+
+
+@pytest.mark.parametrize(
+    ("size", "out"), [((4, 4, 4), (2, 2, 2)), ((5, 7, 6), (2, 3, 4)), ((3, 2, 4), (4, 3, 1))]
+)
+@pytest.mark.parametrize("batched", [True, False])
+def test_adaptive_avg_pool3d_and_its_backward_equal_atens(
+    size: tuple[int, ...], out: tuple[int, ...], batched: bool
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*((2,) if batched else ()), 3, *size, dtype=torch.float64)
+    expected = aten._adaptive_avg_pool3d(x, out)
+    torch.testing.assert_close(decompositions.adaptive_avg_pool3d(x, out), expected)
+    g = torch.randn_like(expected)
+    torch.testing.assert_close(
+        decompositions.adaptive_avg_pool3d_backward(g, x),
+        aten._adaptive_avg_pool3d_backward(g, x),
+    )
 
 
 @pytest.mark.parametrize("out", [(1, 1), 1, (2, 3), (4, 6)])
@@ -304,4 +328,92 @@ def test_half_precision_batch_norm_computes_in_float_like_aten() -> None:
     got = decompositions.native_batch_norm_legit_functional(*args)
     for a, e in zip(got, expected, strict=True):
         assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bernoulli_p_draws_zeros_and_ones_at_rate_p_in_the_inputs_dtype(
+    p: float, dtype: torch.dtype
+) -> None:
+    x = torch.empty(200, 300, dtype=dtype)
+    drawn = decompositions.bernoulli_p(x, p)
+    assert drawn.dtype == dtype and drawn.shape == x.shape
+    assert bool(((drawn == 0) | (drawn == 1)).all())
+    assert abs(float(drawn.mean()) - p) < 0.01
+
+
+def _attention_mask(kind: str, length: int, keys: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Masks as `scaled_dot_product_attention` hands them to the flash kernel (a boolean one
+    already made 0 / -inf): rows with every key masked, by -inf or by the dtype's minimum
+    (transformers' padding masks), are the cases where the kernel is not the softmax."""
+    generator = torch.Generator().manual_seed(1)
+    if kind == "none":
+        return None
+    if kind == "random":
+        return torch.randn(2, 1, length, keys, generator=generator, dtype=dtype)
+    mask = torch.zeros(2, 1, length, keys, dtype=dtype)
+    if kind == "bool":
+        dropped = torch.rand(2, 1, length, keys, generator=generator) > 0.6
+        return mask.masked_fill(dropped, -math.inf)
+    fill = torch.finfo(dtype).min if kind == "minimum" else -math.inf
+    mask[0, :, 1] = fill  # one query row with every key masked
+    mask[1, :, :, keys // 2 :] = fill  # padding: half the keys masked for every query
+    if kind == "minimum":
+        mask[0, :, 2:] = fill  # most of a sequence masked
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["none", "random", "bool", "minimum", "infinity"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("length", "keys"), [(5, 5), (4, 7)])
+@pytest.mark.parametrize("layout", ["contiguous", "heads-transposed"])
+def test_flash_attention_for_cpu_and_its_backward_equal_atens(
+    kind: str, causal: bool, length: int, keys: int, layout: str
+) -> None:
+    torch.manual_seed(0)
+
+    def make(n: int) -> torch.Tensor:
+        if layout == "contiguous":
+            return torch.randn(2, 3, n, 8)
+        return torch.randn(2, n, 3, 8).transpose(1, 2)  # as attention layers hand them over
+
+    q, k, v = make(length), make(keys), make(keys)
+    mask = _attention_mask(kind, length, keys, q.dtype)
+    args = (0.0, causal)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, *args, attn_mask=mask)
+    got_out, got_lse = decompositions.scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, *args, attn_mask=mask
+    )
+    torch.testing.assert_close(got_out, out)
+    torch.testing.assert_close(got_lse, lse)
+    assert got_out.stride() == out.stride() and got_lse.stride() == lse.stride()
+    grad = torch.randn_like(out)
+    expected = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, *args, attn_mask=mask
+    )
+    got = decompositions.scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, *args, attn_mask=mask
+    )
+    for name, a, e in zip("qkv", got, expected, strict=True):
+        torch.testing.assert_close(a, e, msg=f"gradient of {name}")
+
+
+def test_flash_attention_for_cpu_in_float64_with_a_scale_equals_atens() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    mask = _attention_mask("minimum", 6, 6, torch.float64)
+    kwargs = {"attn_mask": mask, "scale": 0.3}
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, **kwargs)
+    got = decompositions.scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, **kwargs)
+    torch.testing.assert_close(got[0], out)
+    torch.testing.assert_close(got[1], lse)
+    grad = torch.randn_like(out)
+    expected = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, False, **kwargs
+    )
+    got_grads = decompositions.scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, False, **kwargs
+    )
+    for a, e in zip(got_grads, expected, strict=True):
         torch.testing.assert_close(a, e)

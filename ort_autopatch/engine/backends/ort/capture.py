@@ -135,13 +135,6 @@ class _Flat(torch.nn.Module):
         return tuple(outputs)
 
 
-def _math_attention() -> contextlib.AbstractContextManager[Any]:
-    """Attention as matmuls and a softmax: the fused CPU kernel's backward has no ONNX form."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.MATH)
-
-
 _capturing = threading.local()
 
 
@@ -340,7 +333,6 @@ def capture(
             contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
             calls.stepping_aside(),
             tracing.export_rewrites(),
-            _math_attention(),
             _traceable_batch_norms(module),
             _relisted_rnn_weights(),
             _generic_recurrent_kernels(),

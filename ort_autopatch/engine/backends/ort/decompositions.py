@@ -21,17 +21,27 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - `select_backward` and `slice_backward`: as pads rather than torch's scatters into zeros,
   which ORT runs as ScatterElements (a quarter of a transformer layer's step).
 - `avg_pool2d_backward` and `_adaptive_avg_pool2d_backward` (the cases an average pool is a
-  convolution with a constant kernel): torch has none either.
+  convolution with a constant kernel; other adaptive sizes as one matrix product per
+  dimension with the windows' weights): torch has none either. `_adaptive_avg_pool3d` and
+  its backward the same way (torchlib has no 3-d adaptive pool).
 - pooling, normalisation, embedding, dropout and loss backwards: torch's decompositions,
   named so the tests can hold each one to eager.
+- `bernoulli.p` (feature dropout's mask: `dropout1d/2d/3d`, `Dropout2d` on any rank):
+  torchlib's translation draws from `RandomUniformLike` inside a local function, whose
+  generator ORT seeds once per session: unseen by the tool's seeding and by the first-call
+  check (which then compared a random mask with eager's and refused every such graph), and
+  drawing another mask where a graph is run again with the forward's seed. Ours is the mask
+  of an ONNX `Dropout` over ones, drawn per run from the tool's stream like `nn.Dropout`'s.
 - `adaptive_avg_pool2d` (`BEFORE_AUTOGRAD`): ATen's composite kernel, for an output of 1x1
   over a channels-last input, re-strides the mean it computes in place (`as_strided_`, a
   change of strides alone: every size-1 layout is both contiguous and channels-last), and
   autograd differentiates that as any `as_strided`, by scattering into a zero storage
   (`prims.as_strided_scatter`, which ONNX cannot express: convnext and swin_t failed on it).
   Ours is the same mean without the re-striding.
-Attention needs no entry: the capture traces `scaled_dot_product_attention` with the math
-backend (matmuls and a softmax) instead of the fused CPU kernel, whose backward has no form.
+- `_scaled_dot_product_flash_attention_for_cpu` and its backward (torch has no backward):
+  attention is traced with the kernel eager picks, and the flash kernel's backward is not the
+  softmax's (see its docstring): tracing every attention with the math kernel instead gave
+  BERT with padding masks gradients 0.35 % off eager's. Ours compute what the kernel computes.
 """
 
 from __future__ import annotations
@@ -225,16 +235,55 @@ def avg_pool2d_backward(
     return result if batched else result.squeeze(0)
 
 
+def _adaptive_weights(
+    size_in: Any, size_out: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(size_out, size_in): row i averages ATen's window i of one dimension, from
+    floor(i * in / out) to ceil((i + 1) * in / out), each element weighted by one over the
+    window's length. Built from the sizes by integer arithmetic on tensors, so a graph with
+    symbolic sizes builds it for each call's."""
+    index = torch.arange(size_out, device=device)
+    start = torch.div(index * size_in, size_out, rounding_mode="floor")
+    end = torch.div((index + 1) * size_in + size_out - 1, size_out, rounding_mode="floor")
+    position = torch.arange(size_in, device=device)
+    inside = (position >= start.unsqueeze(1)) & (position < end.unsqueeze(1))
+    return inside.to(dtype) / (end - start).unsqueeze(1).to(dtype)
+
+
+def _adaptive_apply(x: torch.Tensor, sizes: Sequence[Any], transposed: bool) -> torch.Tensor:
+    """Contract each of x's trailing len(sizes) dims with its window weights: a pool to
+    `sizes` (x's sizes are the inputs'), or, `transposed`, its adjoint back to `sizes`."""
+    dims = len(sizes)
+    for d in range(dims):
+        axis = x.dim() - dims + d
+        size_here = x.shape[axis]
+        weights = (
+            _adaptive_weights(sizes[d], size_here, x.dtype, x.device)
+            if transposed
+            else _adaptive_weights(size_here, sizes[d], x.dtype, x.device).transpose(0, 1)
+        )
+        x = torch.matmul(x.movedim(axis, -1), weights).movedim(-1, axis)
+    return x
+
+
 def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    """An adaptive average pool whose sizes divide evenly is an average pool."""
+    """An adaptive average pool whose sizes divide evenly is an average pool; other sizes
+    (windows of unequal lengths, overlapping) spread each output's gradient over its window
+    by one matrix product per dimension."""
     size_in, size_out = input.shape[-2:], grad_output.shape[-2:]
     if any(i % o for i, o in zip(size_in, size_out, strict=True)):
-        raise UndecomposableError(
-            f"aten._adaptive_avg_pool2d_backward from {tuple(size_in)} to {tuple(size_out)} "
-            "(sizes that do not divide evenly)"
-        )
+        return _adaptive_apply(grad_output, list(size_in), transposed=True)
     kernel = [i // o for i, o in zip(size_in, size_out, strict=True)]
     return avg_pool2d_backward(grad_output, input, kernel, kernel, [0, 0], False, True, None)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """`_adaptive_avg_pool3d` (torchlib has none): one matrix product per dimension."""
+    return _adaptive_apply(input, list(output_size), transposed=False)
+
+
+def adaptive_avg_pool3d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    return _adaptive_apply(grad_output, list(input.shape[-3:]), transposed=True)
 
 
 def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
@@ -246,6 +295,122 @@ def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torc
     if all(size == 1 for size in output_size):
         return input.mean([-1, -2], keepdim=True)
     return aten._adaptive_avg_pool2d(input, output_size)
+
+
+def bernoulli_p(
+    input: torch.Tensor, p: float = 0.5, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Ones with probability `p`, zeros elsewhere, in the input's shape and dtype: the kept
+    mask of a dropout of ones at rate 1 - p (ONNX `Dropout`, whose mask is boolean, so the
+    values are exactly 0 and 1 as ATen's). Dropout's rate must lie in [0, 1): the two
+    certain cases are constants."""
+    if generator is not None:
+        return NotImplemented
+    if p >= 1:
+        return torch.ones_like(input)
+    if p <= 0:
+        return torch.zeros_like(input)
+    _, kept = aten.native_dropout(torch.ones_like(input), 1 - p, True)
+    return kept.to(input.dtype)
+
+
+def _attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """The flash kernel's scores: q k^T times the scale, then the mask added (a boolean one as
+    0 or -inf, as the kernel converts it; a causal one from the top left)."""
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), -math.inf)
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    if is_causal:
+        rows, cols = query.shape[-2], key.shape[-2]
+        above = torch.ones(rows, cols, dtype=torch.bool, device=query.device).triu(1)
+        scores = scores.masked_fill(above, -math.inf)
+    return scores
+
+
+def _flash_supported(query: torch.Tensor, key: torch.Tensor, dropout_p: float) -> bool:
+    return dropout_p == 0 and query.dim() == 4 and query.shape[1] == key.shape[1]
+
+
+def scaled_dot_product_flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Any:
+    """The CPU flash kernel's output and its log-sum-exp, computed as the kernel does (one
+    block of keys): row maximum m of the scores s, e = exp(s - m), output (e v) / sum(e),
+    lse = m + log(sum(e)); in float32 for half types, as the kernel accumulates."""
+    if not _flash_supported(query, key, dropout_p):
+        return NotImplemented
+    work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q, k, v = (t.to(work) for t in (query, key, value))
+    scores = _attention_scores(q, k, is_causal, attn_mask, scale)
+    peak = scores.amax(-1, keepdim=True)
+    # a row with every key at -inf: the kernel gives an output and a log-sum-exp of 0
+    # (so its backward, exp(-inf - 0), gives no gradient), where the softmax gives NaN
+    masked = peak == -math.inf
+    peak = torch.where(masked, 0.0, peak)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(-1, keepdim=True)
+    output = torch.matmul(weights, v) / torch.where(masked, 1.0, total)
+    logsumexp = torch.where(masked, 0.0, peak + torch.log(total)).squeeze(-1)
+    # the kernel's layouts (views after it need them): the output strided as the query
+    # ((batch, length, heads, dim) transposed, as attention layers hand it over, or
+    # contiguous), the log-sum-exp always (batch, length, heads) transposed
+    output = output.to(query.dtype)
+    if not query.is_contiguous() and query.transpose(1, 2).is_contiguous():
+        output = output.transpose(1, 2).contiguous().transpose(1, 2)
+    logsumexp = logsumexp.transpose(1, 2).contiguous().transpose(1, 2)
+    return output, logsumexp
+
+
+def scaled_dot_product_flash_attention_for_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Any:
+    """The CPU flash kernel's backward (torch has none): the probabilities recomputed from the
+    forward's log-sum-exp, p = exp(s - lse), not renormalised. That is what eager computes,
+    and where every key of a row is masked by a large negative number (transformers' masks
+    use the dtype's minimum) it is not the softmax's derivative: lse rounds to the minimum,
+    each p is 1 instead of 1 / keys, and eager's gradients are that many times larger. The
+    softmax's own backward (the math kernel's) was 0.35 % off eager's on BERT's embeddings."""
+    if not _flash_supported(query, key, dropout_p):
+        return NotImplemented
+    work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q, k, v, o, g = (t.to(work) for t in (query, key, value, out, grad_out))
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = _attention_scores(q, k, is_causal, attn_mask, scale)
+    p = torch.exp(scores - logsumexp.to(work).unsqueeze(-1))
+    grad_value = torch.matmul(p.transpose(-2, -1), g)
+    grad_p = torch.matmul(g, v.transpose(-2, -1))
+    row = (g * o).sum(-1, keepdim=True)
+    grad_scores = p * (grad_p - row) * scale
+    grad_query = torch.matmul(grad_scores, k)
+    grad_key = torch.matmul(grad_scores.transpose(-2, -1), q)
+    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
 
 
 def select_backward(
@@ -480,6 +645,15 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+    aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+    aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
+    aten.bernoulli.p: bernoulli_p,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (
+        scaled_dot_product_flash_attention_for_cpu
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+        scaled_dot_product_flash_attention_for_cpu_backward
+    ),
 }
 
 

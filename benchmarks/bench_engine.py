@@ -342,9 +342,9 @@ def main(
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
 
-    from ort_autopatch.engine import runtime
+    from ort_autopatch.engine import backend as registry
 
-    reason = runtime.unavailable_reason(args.backend)
+    reason = registry.unavailable_reason(args.backend)
     if reason is not None:
         parser.error(f"backend {args.backend} cannot run here: {reason}")
     report: dict[str, Any] = {
@@ -352,7 +352,7 @@ def main(
             "python": platform.python_version(),
             "torch": torch.__version__,
             "backend": args.backend,
-            "onnxruntime": runtime.version(args.backend),
+            "onnxruntime": registry.version(args.backend),
             "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),

@@ -32,7 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ort_autopatch.engine import ModuleEngine, runtime  # noqa: E402
+from ort_autopatch.engine import ModuleEngine  # noqa: E402
+from ort_autopatch.engine import backend as registry  # noqa: E402
 from ort_autopatch.engine.recipe import EngineOptions  # noqa: E402
 from tests.zoo import harness  # noqa: E402
 from tests.zoo.models import ENTRIES  # noqa: E402
@@ -230,14 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-parity", action="store_true")
-    parser.add_argument("--backend", choices=runtime.BACKENDS, help="the one expected here")
+    parser.add_argument("--backend", choices=registry.names(), help="the one expected here")
     args = parser.parse_args(argv)
-    backend = runtime.resolve("auto")
-    if backend is None or args.backend not in (None, backend):
-        why = runtime.unavailable_reason(args.backend or "auto")
+    backend = registry.resolve("auto")
+    why = registry.unavailable_reason(args.backend or "auto")
+    if why is not None or args.backend not in (None, backend):
+        why = why or f"'auto' picks {backend} here"
         print(f"gpu_bench: backend {args.backend or 'auto'} cannot run here: {why}")
         return 2
-    print(f"gpu_bench: backend {backend}, onnxruntime {runtime.version(backend)}", flush=True)
+    print(f"gpu_bench: backend {backend}, onnxruntime {registry.version(backend)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     models = engine_models(args.device, backend)
     (args.out / "gpu_engine_models.json").write_text(json.dumps(models, indent=1) + "\n")

@@ -61,7 +61,7 @@ def install(config: Config | None = None) -> bool:
         if not config.enabled:
             return False
         from ort_autopatch import versions
-        from ort_autopatch.engine.runtime import unavailable_reason
+        from ort_autopatch.engine.backend import unavailable_reason
 
         untested = versions.untested_torch_reason(versions.installed_torch())
         if untested is not None and config.untested_torch:

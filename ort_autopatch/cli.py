@@ -519,6 +519,7 @@ def check(config: Config) -> tuple[str, bool]:
     except Exception as exc:  # a broken torch is exactly what --check is for
         lines.append(row("torch", f"cannot import: {exc}"))
         problems.append(f"torch does not import: {exc}")
+    from ort_autopatch.engine import backend as backend_registry
     from ort_autopatch.engine import runtime
 
     found = runtime.installed_distributions()
@@ -534,12 +535,13 @@ def check(config: Config) -> tuple[str, bool]:
             f"{', '.join(inference)} and {', '.join(training)} are both installed and share the "
             f"'onnxruntime' package; the last one installed wins. Uninstall {', '.join(inference)}"
         )
-    reason = runtime.unavailable_reason(config.backend)
-    backend = runtime.resolve(config.backend)
+    reason = backend_registry.unavailable_reason(config.backend)
+    backend = backend_registry.resolve(config.backend)
     if reason is not None:
         problems.append(reason)
     else:
-        lines.append(row("backend", f"{backend} (ONNX Runtime {runtime.version(backend)})"))
+        version = backend_registry.version(backend)
+        lines.append(row("backend", f"{backend} (ONNX Runtime {version})"))
         try:
             providers = runtime.available_providers()
             lines.append(row("providers", ", ".join(providers)))

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .engine import backend as backend_registry
 from .errors import ConfigError
 from .policy import (
     DEFAULT_FALLBACK,
@@ -307,7 +308,8 @@ def option(default: Any, **declaration: Any) -> Any:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-BACKENDS = ("auto", "ort", "ort-training")
+#: "auto" and every backend the engine's registry declares (`engine.backend.BACKENDS`)
+BACKENDS = ("auto", *backend_registry.names())
 OPSET_RANGE = range(14, 21)
 
 

@@ -138,18 +138,22 @@ def versions() -> dict[str, str | None]:
     """The tool's, torch's and ONNX Runtime's versions, without importing either library."""
     import sys
 
+    from ort_autopatch.engine import backend as registry
     from ort_autopatch.engine import runtime
     from ort_autopatch.versions import __version__
 
     torch_mod = sys.modules.get("torch")
     torch_version = getattr(torch_mod, "__version__", None) or distribution_version("torch")
-    # the backend this run's graphs use; None when nothing was installed (see "refused")
-    chosen = _installed_backend
-    backend = runtime.resolve(chosen) if chosen is not None else None
+    # the backend this run's graphs ran on (the engine decided it); before any graph, the one
+    # it will decide; None when nothing was installed (see "refused")
+    ran = registry.chosen()
+    backend = ran[0] if ran else None
+    if backend is None and _installed_backend is not None:
+        backend = registry.resolve(_installed_backend)
     return {
         "version": __version__,
         "torch": None if torch_version is None else str(torch_version),
-        "onnxruntime": runtime.version(backend),
+        "onnxruntime": registry.version(backend) if backend is not None else runtime.version(),
         "backend": backend,
     }
 

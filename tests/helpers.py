@@ -18,15 +18,14 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-from ort_autopatch.engine import EngineOptions, ModuleEngine
+from ort_autopatch.engine import EngineOptions, ModuleEngine, backend
 
 
 def plain_backend() -> bool:
     """Whether engines here run on the plain backend (inference-only onnxruntime: one graph
     per input shape, graphs from torch's autograd) rather than the training build."""
-    from ort_autopatch.engine import runtime
 
-    return runtime.resolve() == "ort"
+    return backend.resolve() == "ort"
 
 
 RTOL = 1e-4

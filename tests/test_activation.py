@@ -228,8 +228,8 @@ def test_a_python_without_a_training_build_says_why_once_and_runs_eagerly(
     script.write_text(
         textwrap.dedent(
             """
-            import ort_autopatch.engine.runtime as runtime
-            runtime.unavailable_reason = lambda b: "no ONNX Runtime training build is installed"
+            import ort_autopatch.engine.backend as registry
+            registry.unavailable_reason = lambda b: "no ONNX Runtime training build is installed"
             import torch, ort_autopatch
             print(ort_autopatch.install())
             import mymodels

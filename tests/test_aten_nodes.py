@@ -15,11 +15,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ort_autopatch.engine import runtime
+from ort_autopatch.engine import backend, runtime
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_build, aten_executor
 
 pytestmark = pytest.mark.skipif(
-    runtime.resolve() == "ort",
+    backend.resolve() == "ort",
     reason="the ATen executor runs the training build's ATen nodes; the plain backend's graphs "
     "have none",
 )

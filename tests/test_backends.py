@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ort_autopatch.engine import EngineOptions, calls, signature
+from ort_autopatch.engine import EngineOptions, signature
 from ort_autopatch.engine import backend as backends
 from ort_autopatch.engine.backends.ort_training.backend import OrtTrainingBackend
 from ort_autopatch.engine.errors import UnsupportedInputError
@@ -25,12 +25,20 @@ def test_auto_picks_the_training_build_where_it_is_installed_else_the_plain_one(
     installed = {d.metadata["Name"].lower() for d in metadata.distributions()}
     training = bool(installed & {"onnxruntime-training", "onnxruntime-training-cpu"})
     expected = OrtTrainingBackend if training else OrtBackend
-    assert expected.unavailable() is None
+    assert backends.unavailable_reason(expected.name) is None
+    assert backends.resolve() == expected.name
     assert backends.choose() is expected and backends.choose("auto") is expected
+    assert backends.chosen()[0] == expected.name  # what the report names
+
+
+def test_the_configuration_offers_every_declared_backend_and_auto() -> None:
+    from ort_autopatch import config
+
+    assert config.BACKENDS == ("auto", *backends.BACKENDS)
 
 
 def test_an_unknown_backend_name_is_refused() -> None:
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="no-such-backend"):
         backends.choose("no-such-backend")
 
 
@@ -42,85 +50,17 @@ def test_the_training_build_refuses_an_empty_training_batch() -> None:
     backend.refuse(signature.flatten_call("Net", (torch.zeros(2, 3),), {}, True))
 
 
-class _TorchProgram:
-    """A toy backend's program: the module's forward in torch, on the feeds the entry gathers."""
-
-    runs = 0
-
-    def __init__(self, module: torch.nn.Module, feed_names: list[str], names: list[str]) -> None:
-        self.module = module
-        self.feed_names = feed_names
-        self.state_names = names
-        self.torch_nodes: dict[str, int] = {}
-        self.saved_graphs: dict[str, bytes] = {}
-
-    def run(self, feeds: list[torch.Tensor], recompute: bool) -> list[torch.Tensor]:
-        _TorchProgram.runs += 1
-        params = dict(zip(self.state_names, feeds[1:], strict=True))
-        return [torch.func.functional_call(self.module, params, (feeds[0],))]
-
-
-class _Payload:
-    def graphs(self) -> dict[str, bytes]:
-        return {}
-
-    def meta(self) -> dict[str, object]:
-        return {}
-
-
-class _TorchBackend(backends.Backend):
-    """The smallest backend: no ONNX at all, which is what makes it a test of the seam alone."""
-
-    name = "toy"
-
-    @staticmethod
-    def unavailable() -> str | None:
-        return None
-
-    @staticmethod
-    def graph_version() -> str:
-        return "toy"
-
-    def build(self, miss, progress):  # type: ignore[no-untyped-def]
-        from torch.utils import _pytree as pytree
-
-        from ort_autopatch.engine.recipe import Recipe
-
-        _, spec = pytree.tree_flatten(torch.zeros(1))
-        sources = {"x": ("input", 0), **{n: ("state", n) for n in miss.state.names}}
-        recipe = Recipe(
-            backend=self.name,
-            has_backward=miss.grad,
-            forward_model=b"",
-            payload=_Payload(),
-            feed_sources=sources,
-            num_user_outputs=1,
-            output_spec=calls.OutputSpec(spec, [None], [0]),
-            batch_norms=[],
-            seeds_dropout=False,
-        )
-        return recipe, 0.0
-
-    def instantiate(self, recipe, miss, step, settings, progress):  # type: ignore[no-untyped-def]
-        return _TorchProgram(miss.module, list(recipe.feed_sources), list(miss.state.names))
-
-    @staticmethod
-    def payload_from(meta, graphs):  # type: ignore[no-untyped-def]
-        return _Payload()
-
-
-def test_a_backend_declared_in_the_list_serves_the_engines_calls(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_backend_registered_from_outside_serves_the_engines_calls() -> None:
+    """One `register` call and no edit to the engine: `choose()`, which every engine asks,
+    picks it, and a training step gives eager's outputs and gradients through it."""
     from ort_autopatch.engine import ModuleEngine
+    from tests import toy_backend
 
-    # declared first, and available: `choose()`, which every engine asks, picks it
-    toy = {"toy": f"{__name__}:_TorchBackend"}
-    monkeypatch.setattr(backends, "BACKENDS", {**toy, **backends.BACKENDS})
-    backends.choose.cache_clear()
+    saved = dict(backends.BACKENDS)
+    backends.register(toy_backend.DECLARED, first=True)
     try:
-        assert backends.choose() is _TorchBackend
-        _TorchProgram.runs = 0
+        assert backends.resolve() == "toy" and backends.choose() is toy_backend.ToyBackend
+        toy_backend.ToyProgram.runs = 0
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
         engine = ModuleEngine(model)
@@ -133,7 +73,61 @@ def test_a_backend_declared_in_the_list_serves_the_engines_calls(
         assert torch.equal(out, model(x))
         for got, p in zip(grads, model.parameters(), strict=True):
             assert torch.equal(got, p.grad)
-        assert _TorchProgram.runs == 1 and len(engine.records) == 1
+        assert type(out.grad_fn).__name__ == "GraphFunctionBackward"  # the shared run-time
+        assert toy_backend.ToyProgram.runs == 1 and len(engine.records) == 1
         assert engine.records[0].has_backward
     finally:
+        backends.BACKENDS.clear()
+        backends.BACKENDS.update(saved)
         backends.choose.cache_clear()
+
+
+def test_the_parity_suite_passes_through_a_backend_registered_from_outside() -> None:
+    """The seam test: tests/test_engine_parity.py, every model against eager over its
+    optimizer steps, with the toy backend (tests/toy_backend.py, registered by a pytest
+    plugin) serving every engine, unchanged."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.toy_backend",
+            "tests/test_engine_parity.py",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_an_option_the_backend_does_not_take_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The plain backend has no opset of its own choosing and no torch-calling nodes: setting
+    those options is said once per option and process, never silently ignored."""
+    import logging
+
+    from ort_autopatch.engine.backends.ort.backend import OrtBackend
+
+    backends._said.clear()
+    options = EngineOptions(opset=18, torch_ops=("aten::einsum",))
+    with caplog.at_level(logging.WARNING, logger="ort_autopatch"):
+        for _ in range(3):  # one backend per module instance
+            OrtBackend("Net", options, lambda m, *a, **k: m(*a, **k))
+        OrtBackend("Net", EngineOptions(), lambda m, *a, **k: m(*a, **k))
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert len(said) == 2, said
+    assert "opset option does not apply to the ort backend" in said[0]
+    assert "torch_ops option does not apply to the ort backend" in said[1]

@@ -13,18 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ort_autopatch.engine import EngineError, ModuleEngine, runtime
+from ort_autopatch.engine import EngineError, ModuleEngine, backend, runtime
 from tests.helpers import assert_training_parity
 
-# A parity suite needs a backend that runs here (either build): without one it fails at
-# collection (with the reason and the remedy), it never vanishes as skips.
-runtime.load(training=runtime.resolve() != "ort")
+# A parity suite needs a backend that runs here: without one it fails at collection (with the
+# reason and the remedy), it never vanishes as skips. (A backend registered by a test plugin,
+# tests/toy_backend.py, needs no ONNX Runtime.)
+if backend.resolve() in ("ort", "ort-training"):
+    runtime.load(training=backend.resolve() == "ort-training")
 
 STEPS = 10
 #: The training build's graphs serve every input shape (and earn a static-shape graph for a
 #: shape that keeps coming back); the plain backend traces a key's first graph for its input
 #: shape, and the sizes that then vary as symbols (or one graph per shape where a model needs).
-PER_SHAPE = runtime.resolve() == "ort"
+PER_SHAPE = backend.resolve() == "ort"
 
 
 def _gen(step: int, salt: int = 0) -> torch.Generator:

@@ -21,6 +21,7 @@ from ort_autopatch.engine import (
     MixedDevicesError,
     ModuleEngine,
     UnsupportedInputError,
+    backend,
     runtime,
 )
 from ort_autopatch.engine.backends.ort_training import export as engine_export
@@ -33,7 +34,7 @@ TRAINING_NODE = "GraphFunctionBackward"  # both backends: graph_function.GraphFu
 
 # A parity suite needs a backend that runs here (either build): without one it fails at
 # collection (with the reason and the remedy), it never vanishes as skips.
-runtime.load(training=runtime.resolve() != "ort")
+runtime.load(training=backend.resolve() != "ort")
 
 
 class Net(nn.Module):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from ort_autopatch.engine import backend as registry
 from ort_autopatch.engine import runtime
 from tests.helpers import plain_backend
 
@@ -65,15 +66,15 @@ def test_loading_does_not_leave_onnxruntime_training_blocked() -> None:
 
 
 def test_the_installed_build_is_reported_available() -> None:
-    assert runtime.unavailable_reason() is None
+    assert registry.unavailable_reason() is None
     if plain_backend():  # the latest maintained onnxruntime, whichever release that is
         from importlib import metadata
 
-        assert runtime.unavailable_reason("ort") is None
-        assert runtime.version("ort") == metadata.version("onnxruntime")
+        assert registry.unavailable_reason("ort") is None
+        assert registry.version("ort") == metadata.version("onnxruntime")
         return
-    assert runtime.unavailable_reason("ort-training") is None
-    assert runtime.version("ort-training") == "1.19.2"
+    assert registry.unavailable_reason("ort-training") is None
+    assert registry.version("ort-training") == "1.19.2"
 
 
 def _installed(monkeypatch: pytest.MonkeyPatch, found: dict[str, str], onnxscript: bool) -> None:
@@ -92,22 +93,22 @@ def test_auto_prefers_the_training_build_when_it_is_installed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _installed(monkeypatch, {"onnxruntime-training-cpu": "1.19.2"}, onnxscript=True)
-    assert runtime.resolve("auto") == "ort-training"
+    assert registry.resolve("auto") == "ort-training"
 
 
 def test_auto_takes_the_plain_backend_with_the_maintained_onnxruntime(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _installed(monkeypatch, {"onnxruntime": "1.32.0"}, onnxscript=True)
-    assert runtime.unavailable_reason("auto") is None
-    assert runtime.resolve("auto") == "ort"
-    assert runtime.version("ort") == "1.32.0"
+    assert registry.unavailable_reason("auto") is None
+    assert registry.resolve("auto") == "ort"
+    assert registry.version("ort") == "1.32.0"
 
 
 def test_insisting_on_the_training_build_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     _installed(monkeypatch, {"onnxruntime": "1.20.0"}, onnxscript=True)
     monkeypatch.setattr(runtime.sys, "version_info", _Version(3, 11))
-    reason = runtime.unavailable_reason("ort-training")
+    reason = registry.unavailable_reason("ort-training")
     assert reason is not None
     assert "onnxruntime==1.20.0 is an inference-only build" in reason
     assert "ort-autopatch[training-cpu]" in reason
@@ -117,7 +118,7 @@ def test_insisting_on_the_plain_backend_beside_the_training_build_says_what_to_r
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _installed(monkeypatch, {"onnxruntime-training-cpu": "1.19.2"}, onnxscript=True)
-    reason = runtime.unavailable_reason("ort")
+    reason = registry.unavailable_reason("ort")
     assert reason is not None
     assert "onnxruntime-training-cpu==1.19.2 is installed" in reason
     assert "ort-autopatch[cpu]" in reason
@@ -132,13 +133,13 @@ def test_the_plain_backend_names_what_is_missing(
 ) -> None:
     _installed(monkeypatch, found, onnxscript)
     for backend in ("ort", "auto"):
-        reason = runtime.unavailable_reason(backend)
+        reason = registry.unavailable_reason(backend)
         assert reason is not None and named in reason and "ort-autopatch[cpu]" in reason
-    assert runtime.resolve("auto") is None
+    assert registry.resolve("auto") == "ort"  # the default, whose reason says what to install
 
 
 def test_python_without_training_wheels_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "installed_distributions", lambda: {})
     monkeypatch.setattr(runtime.sys, "version_info", _Version(3, 12))
-    reason = runtime.unavailable_reason("ort-training")
+    reason = registry.unavailable_reason("ort-training")
     assert reason is not None and "Python 3.12" in reason and "--backend ort" in reason

@@ -31,35 +31,112 @@ the progress warning. A backend supplies the rest, for one module instance at a 
    backend may check more before any session sees them), and `graph_version()`: what else
    decides the graphs, for the persistent cache keys.
 
-A new backend is one module beside `ort_training.py` and one line in `BACKENDS`. The same
-seed, the same run: random operators draw from `rng`'s stream, never from torch's generator.
-Which backend an engine uses is `choose(EngineOptions.backend)`'s answer ("auto": the first
-available in `BACKENDS`); its recipes are stored under keys that name it.
+A new backend is a package in `backends/` and one `register` call (the two shipped ones are
+declared below, in `BACKENDS`): the configuration's `--backend` choices, `--check`, the report
+and the engine all read this registry and nothing else. The same seed, the same run: random
+operators draw from `rng`'s stream, never from torch's generator. Which backend a run uses is
+decided once, here (`resolve`; "auto": the first available in declaration order, else the
+default, whose reason then says what to install); engines take the class `choose` returns, and
+their recipes are stored under keys that name it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import torch
+from ort_autopatch.engine import runtime
 
 if TYPE_CHECKING:
+    import torch
+
     from ort_autopatch.engine import hazards
     from ort_autopatch.engine.errors import ExecutionError
     from ort_autopatch.engine.recipe import EngineOptions, Miss, Payload, Recipe
     from ort_autopatch.engine.session import SessionSettings
     from ort_autopatch.engine.signature import FlatCall
 
-#: name -> "module:class", in the order `choose(None)` tries them (the first available wins).
-BACKENDS: dict[str, str] = {
-    "ort-training": "ort_autopatch.engine.backends.ort_training.backend:OrtTrainingBackend",
-    "ort": "ort_autopatch.engine.backends.ort.backend:OrtBackend",
+log = logging.getLogger("ort_autopatch")
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One backend as the registry knows it, without importing it."""
+
+    name: str  # the option value; in cache keys and reports
+    implementation: str  # "module:Class" of its `Backend`, imported on first use
+    #: why it cannot run in this interpreter (which package to install), or None; reads
+    #: package metadata only, never imports onnxruntime
+    unavailable: Callable[[], str | None]
+    #: the ONNX Runtime distributions it runs on (the report's `onnxruntime` version)
+    distributions: tuple[str, ...] = field(default=())
+
+
+#: name -> declaration, in the order "auto" tries them (the first available wins); more are
+#: added with `register`
+BACKENDS: dict[str, Declared] = {
+    declared.name: declared
+    for declared in (
+        Declared(
+            "ort-training",
+            "ort_autopatch.engine.backends.ort_training.backend:OrtTrainingBackend",
+            runtime.training_build_missing,
+            runtime.TRAINING_DISTRIBUTIONS,
+        ),
+        Declared(
+            "ort",
+            "ort_autopatch.engine.backends.ort.backend:OrtBackend",
+            runtime.plain_build_missing,
+            runtime.INFERENCE_DISTRIBUTIONS,
+        ),
+    )
 }
+#: what "auto" falls back to when no backend can run here: the maintained package's, whose
+#: reason names what to install on any Python
+DEFAULT = "ort"
+
+
+def register(declared: Declared, first: bool = False) -> None:
+    """Declare a backend: "auto" tries it after those declared before it, or, `first`,
+    before every other."""
+    others = [d for d in BACKENDS.values() if d.name != declared.name]
+    BACKENDS.clear()  # in place: whoever holds the dict sees the new order
+    for d in [declared, *others] if first else [*others, declared]:
+        BACKENDS[d.name] = d
+    choose.cache_clear()
+
+
+def names() -> tuple[str, ...]:
+    """The backends' names, in declaration order (the `--backend` choices besides "auto")."""
+    return tuple(BACKENDS)
+
+
+def resolve(name: str | None = "auto") -> str:
+    """The backend a run uses: the one named, or for "auto" the first declared one that can
+    run here, else `DEFAULT`. The one place "auto" is decided: the engine, `--check` and the
+    report ask here."""
+    if name not in (None, "auto"):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; declared: {', '.join(BACKENDS)}")
+        return name
+    available = (d.name for d in BACKENDS.values() if d.unavailable() is None)
+    return next(available, DEFAULT if DEFAULT in BACKENDS else next(iter(BACKENDS)))
+
+
+def unavailable_reason(name: str | None = "auto") -> str | None:
+    """Why the backend `resolve(name)` picks cannot run here (None: it can)."""
+    return BACKENDS[resolve(name)].unavailable()
+
+
+def version(name: str | None = "auto") -> str | None:
+    """ONNX Runtime's version as the backend `resolve(name)` picks runs it (metadata only)."""
+    return runtime.version(BACKENDS[resolve(name)].distributions)
+
 
 #: what gets exported or traced: `forward(module, *args, **kwargs)`
 Forward = Callable[..., Any]
@@ -116,6 +193,9 @@ class Backend(ABC):
     """Builds and runs one module instance's graphs on one ONNX Runtime package."""
 
     name: ClassVar[str]  # in cache keys, reports and `BACKENDS`
+    #: `EngineOptions` fields this backend does not take: setting one is said once, never
+    #: silently ignored
+    ignores: ClassVar[tuple[str, ...]] = ()
     #: every graph serves only the input shapes it was traced for, from the first one on (so
     #: the first call's key, and its on-disk key, already name the shapes)
     per_shape: ClassVar[bool] = False
@@ -129,12 +209,8 @@ class Backend(ABC):
         self.options = options
         self.forward = forward
         self.hazards: list[hazards.Hazard] = []  # trace hazards its captures found, for reports
-
-    @staticmethod
-    @abstractmethod
-    def unavailable() -> str | None:
-        """Why this backend cannot run in this interpreter (which package to install), or
-        None. Cheap: reads package metadata, never imports onnxruntime."""
+        if self.ignores:
+            _say_ignored(self.name, options, self.ignores)
 
     @staticmethod
     @abstractmethod
@@ -170,20 +246,43 @@ class Backend(ABC):
 
 def backend_class(name: str) -> type[Backend]:
     """The backend declared under `name` (imported on first use)."""
-    module, _, attribute = BACKENDS[name].partition(":")
+    module, _, attribute = BACKENDS[name].implementation.partition(":")
     found: type[Backend] = getattr(importlib.import_module(module), attribute)
     return found
 
 
 @functools.cache
 def choose(name: str | None = None) -> type[Backend]:
-    """The backend named, or (None, "auto") the first declared one that is available here,
-    else the first declared (whose build then says what is missing). Decided once per process
-    and name: reading package metadata costs milliseconds, and engines are made per instance."""
-    if name not in (None, "auto"):
-        return backend_class(name)
-    for candidate in BACKENDS:
-        backend = backend_class(candidate)
-        if backend.unavailable() is None:
-            return backend
-    return backend_class(next(iter(BACKENDS)))
+    """The class of the backend `resolve(name)` picks. Decided once per process and name:
+    reading package metadata costs milliseconds, and engines are made per instance."""
+    chosen = resolve(name)
+    if chosen not in _chosen:
+        _chosen.append(chosen)
+    return backend_class(chosen)
+
+
+#: the backends engines of this process run on, in the order first chosen (for the report)
+_chosen: list[str] = []
+
+
+def chosen() -> list[str]:
+    """The backends this process's engines run on (the report names what ran)."""
+    return list(_chosen)
+
+
+_said: set[tuple[str, str]] = set()
+
+
+def _say_ignored(backend: str, options: EngineOptions, ignored: tuple[str, ...]) -> None:
+    """Say once per process and option that a set option does not apply to this backend."""
+    defaults = type(options)()
+    for f in fields(options):
+        if f.name not in ignored or getattr(options, f.name) == getattr(defaults, f.name):
+            continue
+        if (backend, f.name) not in _said:
+            _said.add((backend, f.name))
+            log.warning(
+                "ort_autopatch: the %s option does not apply to the %s backend and is ignored",
+                f.name,
+                backend,
+            )

@@ -1,4 +1,4 @@
-"""Loading ONNX Runtime, lazily and cheaply, and which backend an installation allows.
+"""Loading ONNX Runtime, lazily and cheaply, and which of its builds are installed.
 
 `import onnxruntime` runs a package validation that tries to import ORTModule; on torch >= 2.6 that
 import fails after ~0.4 s and, where it succeeds, replaces `torch.manual_seed` and
@@ -38,29 +38,16 @@ def installed_distributions() -> dict[str, str]:
     return found
 
 
-#: The backends' names (`engine.backends`), in the order "auto" prefers them.
-BACKENDS = ("ort-training", "ort")
+def training_build_missing() -> str | None:
+    """Why ONNX Runtime's training build cannot run here (which package to install), or
+    None. Reads package metadata only."""
+    return _training_reason(installed_distributions())
 
 
-def resolve(backend: str = "auto") -> str | None:
-    """The backend a run uses: the one named, or for "auto" the training build when it is
-    installed, else the plain backend when it can run; None when none can."""
-    if backend != "auto":
-        return backend
-    return next((name for name in BACKENDS if unavailable_reason(name) is None), None)
-
-
-def unavailable_reason(backend: str = "auto") -> str | None:
-    """Why this interpreter cannot accelerate with `backend` ("auto": with either), naming
-    the package to install; None when it can. Reads package metadata only."""
-    found = installed_distributions()
-    if backend == "ort-training":
-        return _training_reason(found)
-    if backend == "ort":
-        return _plain_reason(found)
-    if _training_reason(found) is None:
-        return None
-    return _plain_reason(found)
+def plain_build_missing() -> str | None:
+    """Why the maintained, inference-only onnxruntime (with onnxscript) cannot run here, or
+    None. Reads package metadata only."""
+    return _plain_reason(installed_distributions())
 
 
 def _training_reason(found: dict[str, str]) -> str | None:
@@ -119,7 +106,7 @@ def load(training: bool = True) -> tuple[ModuleType, ModuleType]:
             if _capi is None or _ort is None:
                 _ort, _capi = _import()
     if training and not hasattr(_capi, "OrtModuleGraphBuilder"):
-        reason = unavailable_reason("ort-training") or "this onnxruntime has no training support"
+        reason = training_build_missing() or "this onnxruntime has no training support"
         raise RuntimeUnavailableError("", reason, "Install a training build")
     return _ort, _capi
 
@@ -133,7 +120,10 @@ def _import() -> tuple[ModuleType, ModuleType]:
         import onnxruntime
         from onnxruntime.capi import _pybind_state as capi
     except ImportError as exc:
-        reason = unavailable_reason() or f"importing onnxruntime failed: {exc}"
+        found = installed_distributions()
+        reason = (_training_reason(found) and _plain_reason(found)) or (
+            f"importing onnxruntime failed: {exc}"
+        )
         raise RuntimeUnavailableError("", reason, "Run the model eagerly") from exc
     finally:
         if hide and sys.modules.get("onnxruntime.training", 0) is None:
@@ -144,14 +134,12 @@ def _import() -> tuple[ModuleType, ModuleType]:
     return onnxruntime, capi
 
 
-def version(backend: str | None = None) -> str | None:
-    """ONNX Runtime's version without importing it: the distribution `backend` runs on, or
-    any (a training build's first)."""
+def version(distributions: tuple[str, ...] = ()) -> str | None:
+    """ONNX Runtime's version without importing it: that of the first of `distributions`
+    installed, or of any (a training build's first)."""
     found = installed_distributions()  # training builds first
-    if backend == "ort-training":
-        found = {k: v for k, v in found.items() if k in TRAINING_DISTRIBUTIONS}
-    elif backend == "ort":
-        found = {k: v for k, v in found.items() if k in INFERENCE_DISTRIBUTIONS}
+    if distributions:
+        found = {k: v for k, v in found.items() if k in distributions}
     return next(iter(found.values()), None)
 
 

@@ -89,10 +89,8 @@ class OrtBackend(Backend):
 
     name: ClassVar[str] = "ort"
     guarded: ClassVar[bool] = True  # each graph says which sizes it serves
-
-    @staticmethod
-    def unavailable() -> str | None:
-        return runtime.unavailable_reason("ort")
+    #: the training build's: its opset (torchlib writes opset 18), its torch-calling nodes
+    ignores: ClassVar[tuple[str, ...]] = ("opset", "torch_ops", "no_torch_ops", "compile_executor")
 
     @staticmethod
     def graph_version() -> str:
@@ -122,7 +120,7 @@ class OrtBackend(Backend):
             )
 
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
-        reason = runtime.unavailable_reason("ort")
+        reason = runtime.plain_build_missing()
         if reason is not None:
             raise RuntimeUnavailableError(self.module_class, reason, "Run the model eagerly")
         start = time.perf_counter()

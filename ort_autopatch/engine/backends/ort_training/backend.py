@@ -218,10 +218,6 @@ class OrtTrainingBackend(Backend):
         # operators learned to need torch-calling nodes, so later exports start with them
         self._routed: frozenset[str] = frozenset(self.options.torch_ops)
 
-    @staticmethod
-    def unavailable() -> str | None:
-        return runtime.unavailable_reason("ort-training")
-
     def refuse(self, call: FlatCall) -> None:
         """ORT 1.19.2's gradient kernels reject zero-size dimensions (GemmGrad: K > 0), so a
         training call with an empty batch is refused before it runs (the default fallback

@@ -1,24 +1,35 @@
 """Development sessions (`nox -s NAME`; `nox` alone runs `tests`).
 
-- `demo`: examples/train_mlp.py through the launcher, with its summary.
-- `tests`: the test suite on torch 2.13; it then runs `tests_transformers5`, `tests_plain`,
-  `tests_torch214` and `tests_plain_torch214`.
+- `demo`: examples/train_mlp.py through the launcher, with its summary (plain backend).
+- `tests`: the test suite on the training build and torch 2.13; it then runs
+  `tests_transformers5`, `tests_plain`, `tests_torch214`, `tests_plain_torch214` and
+  `tests_torch215`.
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
 - `tests_plain`: the whole suite on the plain backend and the latest (inference-only)
   onnxruntime, every zoo entry included.
 - `tests_torch214`: what can differ between torch releases (export, parity, torchvision's
   models) on torch 2.14.1 with torchvision 0.29.1; `tests_plain_torch214` the same on plain.
-- `tests_torch215`: the whole suite on torch 2.15 (a download of several GB; not run by CI).
+- `tests_torch215`: what can differ on torch 2.15.0 (export, parity, the zoo) on the plain
+  backend (a download of about 3 GB; `tests` runs it).
 - `lint`: ruff, ruff format, mypy and the README's generated tables (options, benchmarks).
 - `bench`: every benchmark; results in benchmarks/results/*.json. It then runs `bench_plain`.
 - `bench_plain`: the engine benchmark on the plain backend (latest onnxruntime), plain.json;
   README's engine table, both backends side by side.
 - `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.
 - `soak`: every reliability scenario, the 2000-step soak included; README's reliability table.
+
+The plain backend's sessions (`demo`, `tests_plain`, `tests_plain_torch214`, `tests_torch215`,
+`bench_plain`) and `lint` run on the interpreter nox runs on, any CPython 3.10 or newer. The
+training build's sessions (all others) need CPython 3.8-3.11 (onnxruntime-training 1.19.2 has
+no other wheels): they run on a `python3.11` found on PATH, else on nox's own interpreter if it
+is 3.10 or 3.11, and elsewhere they are skipped, saying so there and in nox's closing summary.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import nox
 
@@ -26,14 +37,34 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
-PYTHON = "3.11"
+
+def _training_python() -> str | bool | None:
+    """The interpreter of the training build's sessions: "3.11" where a python3.11 runs, None
+    (nox's own) where that is CPython 3.10 or 3.11, False (no venv: the session skips) else."""
+    try:
+        found = subprocess.run(["python3.11", "-c", ""], capture_output=True, timeout=60)
+        if found.returncode == 0:  # a pyenv shim without that version exits non-zero
+            return "3.11"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return None if sys.version_info[:2] in ((3, 10), (3, 11)) else False
+
+
+TRAINING_PYTHON = _training_python()
+PLAIN_PYTHON = None  # the interpreter at hand: the plain backend takes any CPython >= 3.10
+TRAINING_WHEELS = "needs CPython 3.8-3.11 (onnxruntime-training 1.19.2 has no other wheels)"
+TRAINING_SKIP = (
+    f"the training build {TRAINING_WHEELS} and this machine has no python3.11 (nox runs on "
+    f"{sys.version.split()[0]}); the plain backend's sessions run on it"
+)
 # torch 2.13.0's CPU build lies on this kind of machine's disk, and so do torch 2.14.1 and the
 # torchvision built for it (5.8 GB, about 5 minutes to install); any other version (or an
 # unpinned torch) downloads a multi-GB CUDA build. The tested range is 2.13 to 2.15
-# (ort_autopatch/versions.py): CI runs the suite on 2.13 and what can differ on 2.14.
+# (ort_autopatch/versions.py): CI runs the suite on 2.13 and what can differ on 2.14 and 2.15.
 TORCH = "torch==2.13.0"
 TORCH_214 = ("torch==2.14.1", "torchvision==0.29.1")
-TORCH_215 = ("torch~=2.15.0", "torchvision~=0.30.0")
+# No torchvision is built for torch 2.15 (0.29.x is 2.14's): torchvision's models run on 2.14.
+TORCH_215 = ("torch==2.15.0",)
 TRANSFORMERS = "transformers==4.57.6"
 TRANSFORMERS5 = "transformers==5.23.0"
 ACCELERATE = "accelerate==1.15.0"  # transformers' Trainer needs it (examples/hf_trainer.py)
@@ -43,9 +74,27 @@ PEFT = "peft==0.21.2"
 
 
 def _install(session: nox.Session, *extra: str, torch: tuple[str, ...] = (TORCH,)) -> None:
-    """The training build's environment (`ort-training`), where most sessions run."""
+    """The training build's environment (`ort-training`), where most sessions run; skips the
+    session where no Python can install it (TRAINING_SKIP), saying so."""
+    if TRAINING_PYTHON is False:
+        session.skip(TRAINING_SKIP)
+    # run_install: what --install-only runs too (plain run() returns None there)
+    code = "import sys; print(*sys.version_info[:2], sep='.')"
+    version = str(session.run_install("python", "-c", code, silent=True)).strip()
+    if version not in ("3.8", "3.9", "3.10", "3.11"):  # nox --force-python 3.12, say
+        session.skip(f"the training build {TRAINING_WHEELS}; this session's Python is {version}")
     session.install(*torch)
     session.install("-e", ".[training-cpu]", *extra)
+
+
+def _install_plain(session: nox.Session, *extra: str, torch: tuple[str, ...] = (TORCH,)) -> None:
+    """The plain backend's environment (`ort`, the maintained onnxruntime), on any Python."""
+    # A venv made before a session moved to the plain backend may hold the training build: both
+    # install the `onnxruntime` package, so it goes first (pip says nothing when it is absent).
+    drop = ("onnxruntime-training-cpu", "onnxruntime-training")
+    session.run_install("python", "-m", "pip", "uninstall", "-q", "-y", *drop, silent=True)
+    session.install(*torch)
+    session.install("-e", ".[cpu]", *extra)
 
 
 # setuptools: test_processes builds the wheel without build isolation.
@@ -61,19 +110,21 @@ TEST_DEPS = (
 )
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite (CPU, onnxruntime-training-cpu); prints its slowest tests and its time."""
-    _install(session, *TEST_DEPS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
-    if not session.posargs:
+    """The test suite (CPU, onnxruntime-training-cpu); prints its slowest tests and its time.
+    Then the other sessions CI runs, the plain backend's too where the training build's skip."""
+    if not session.posargs:  # before _install: they run even where the training build skips
         session.notify("tests_transformers5")
         session.notify("tests_plain")
         session.notify("tests_torch214")
         session.notify("tests_plain_torch214")
+        session.notify("tests_torch215")
+    _install(session, *TEST_DEPS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def tests_fast(session: nox.Session) -> None:
     """The quick loop for every change (under 3 minutes on 2 cores): tests marked `fast`."""
     _install(session, *TEST_DEPS)
@@ -91,7 +142,7 @@ TRANSFORMERS_TESTS = (
 )
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def tests_transformers5(session: nox.Session) -> None:
     """The transformers-dependent tests against transformers 5.x (`nox -s tests` runs it)."""
     _install(session, "pytest", "pytest-timeout", TRANSFORMERS5, ACCELERATE, LIGHTNING, "numpy")
@@ -106,12 +157,11 @@ def tests_transformers5(session: nox.Session) -> None:
 # (121 s against 42 s on 2 cores at load 3; 5 to 7 minutes when the cores are busy).
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PLAIN_PYTHON)
 def tests_plain(session: nox.Session) -> None:
     """The whole suite on the plain backend and the latest onnxruntime (`nox -s tests` runs
     it), with every zoo entry."""
-    session.install(TORCH)
-    session.install("-e", ".[cpu]", *TEST_DEPS)
+    _install_plain(session, *TEST_DEPS)
     args = ("-q", "-p", "no:cacheprovider", "--durations=15")
     session.run("pytest", *args, *session.posargs, env={"ZOO_MODELS": "all"})
 
@@ -127,7 +177,7 @@ TORCH_VERSION_TESTS = (
 )
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def tests_torch214(session: nox.Session) -> None:
     """The tests torch 2.14 can change, and torchvision's models (`nox -s tests` runs it)."""
     _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy", torch=TORCH_214)
@@ -135,27 +185,49 @@ def tests_torch214(session: nox.Session) -> None:
     session.run("pytest", *args, *session.posargs)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PLAIN_PYTHON)
 def tests_plain_torch214(session: nox.Session) -> None:
     """The same tests on the plain backend (`nox -s tests` runs it): torchvision's models among
     them, which no other plain session can import."""
-    session.install(*TORCH_214)
-    session.install("-e", ".[cpu]", "pytest", "pytest-timeout", TRANSFORMERS, "numpy")
+    _install_plain(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy", torch=TORCH_214)
     args = ("-q", "-p", "no:cacheprovider", "--durations=12", *TORCH_VERSION_TESTS)
     session.run("pytest", *args, *session.posargs)
 
 
-@nox.session(python=PYTHON)
+# What can differ on torch 2.15, on the plain backend (the product; the training build has no
+# wheel for the Pythons after 3.11): aot_autograd's trace and the decompositions (the plain
+# backend's export), the lowering, the TorchScript exporter's symbolics, trace hazards and
+# output, parity against eager, version checks, and the whole zoo (9 to 12 minutes with three
+# other jobs on the 2 cores, after a 3-minute install). No torchvision exists for 2.15: its models
+# stay on 2.14.
+TORCH_215_TESTS = (
+    "tests/test_engine_parity.py",
+    "tests/test_plain_decompositions.py",
+    "tests/test_plain_lowering.py",
+    "tests/test_plain_dynamic_shapes.py",
+    "tests/test_symbolics.py",
+    "tests/test_hazards.py",
+    "tests/test_quiet_export.py",
+    "tests/test_versions.py",
+    "tests/zoo",
+)
+
+
+@nox.session(python=PLAIN_PYTHON)
 def tests_torch215(session: nox.Session) -> None:
-    """The whole suite on torch 2.15 and its torchvision (several GB; not run by CI)."""
-    _install(session, *TEST_DEPS, torch=TORCH_215)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
+    """What torch 2.15.0 can change, on the plain backend, every zoo entry (`nox -s tests`
+    runs it; torch's PyPI wheel and its CUDA libraries: about 3 GB the first time)."""
+    _install_plain(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy", torch=TORCH_215)
+    args = ("-q", "-p", "no:cacheprovider", "--durations=12", *TORCH_215_TESTS)
+    session.run("pytest", *args, *session.posargs, env={"ZOO_MODELS": "all"})
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PLAIN_PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff and mypy over the package; the README's generated option and benchmark tables."""
-    _install(session, "ruff", "mypy")
+    """ruff and mypy over the package; the README's generated option and benchmark tables.
+    On the plain backend's environment: none of it needs the training build (mypy finds no
+    issue either way), so it runs on any Python."""
+    _install_plain(session, "ruff", "mypy")
     checked = ("ort_autopatch", "tests", "benchmarks", "examples", "tools", "noxfile.py")
     session.run("ruff", "check", *checked)
     session.run("ruff", "format", "--check", "ort_autopatch", "tools", "noxfile.py")
@@ -166,10 +238,11 @@ def lint(session: nox.Session) -> None:
     session.run("python", "benchmarks/render_zoo.py", "--check")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PLAIN_PYTHON)
 def demo(session: nox.Session) -> None:
-    """Run an unchanged training script through the launcher; the summary says what ran in ORT."""
-    _install(session)
+    """Run an unchanged training script through the launcher on the plain backend (any Python
+    3.10 or newer); the summary says what ran in ORT."""
+    _install_plain(session)
     session.run(
         "python",
         "-m",
@@ -190,7 +263,7 @@ def _compile_bytecode(session: nox.Session) -> None:
     session.run("python", "-m", "compileall", "-q", "ort_autopatch")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks; results land in benchmarks/results/*.json."""
     # pytest: bench_export_paths.py reads the input-variety suite's models, then the zoo runs
@@ -210,13 +283,12 @@ def bench(session: nox.Session) -> None:
     session.notify("bench_plain")  # renders README's engine table again, with its numbers
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PLAIN_PYTHON)
 def bench_plain(session: nox.Session) -> None:
     """The engine benchmark on the plain backend (`nox -s bench` runs it): the training
     build's models, the CNN among them, in the plain backend's environment (the two builds
     cannot share one); README's engine table then shows both backends."""
-    session.install(TORCH)
-    session.install("-e", ".[cpu]", "psutil")
+    _install_plain(session, "psutil")
     _compile_bytecode(session)
     session.run("python", "benchmarks/bench_plain.py", *session.posargs)
     session.run("python", "benchmarks/render_engine.py")
@@ -233,7 +305,7 @@ ZOO_ENV = {
 }
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def zoo(session: nox.Session) -> None:
     """Every zoo model against eager; writes benchmarks/results/zoo.json and README's table."""
     _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy")
@@ -243,7 +315,7 @@ def zoo(session: nox.Session) -> None:
     session.run("python", "benchmarks/render_zoo.py")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=TRAINING_PYTHON)
 def soak(session: nox.Session) -> None:
     """Every reliability scenario, the 2000-step soak included; rewrites README's table."""
     _install(session, "pytest", "pytest-timeout", "numpy")

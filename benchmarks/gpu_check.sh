@@ -4,8 +4,10 @@
 #
 #   ort-training  onnxruntime-training 1.19.2 with the CUDA 11.8 / cuDNN 8 libraries from
 #                 nvidia-*-cu11 wheels (`ort-autopatch[training-gpu]`), Python 3.8-3.11
-#   ort           the plain backend: onnxruntime-gpu (CUDA 12 / cuDNN 9, the libraries torch's
-#                 CUDA 12 wheel brings) and onnxscript (`ort-autopatch[gpu]`)
+#   ort           the plain backend: onnxruntime-gpu and onnxscript (`ort-autopatch[gpu]`), with
+#                 torch's build for the CUDA major onnxruntime-gpu is built for (read from its
+#                 build info once installed: 1.31 is CUDA 13 / cuDNN 9, so torch's cu130 wheels),
+#                 whose CUDA and cuDNN libraries its CUDA provider loads
 #
 # For each (benchmarks/gpu_bench.py): the engine benchmark's models and a two-output module
 # whose unused output gets a zero gradient, 3 SGD steps through the engine against eager on
@@ -28,7 +30,17 @@ set -euo pipefail
 
 BUDGET_S=${GPU_CHECK_BUDGET_S:-470}  # per backend
 TORCH_SPEC=${GPU_CHECK_TORCH:-torch==2.13.0}
-TORCH_INDEX=${GPU_CHECK_TORCH_INDEX:-https://download.pytorch.org/whl/cu126}
+# The training build brings CUDA 11.8 libraries of its own (no torch in range is built for 11),
+# so its torch's CUDA is free; the plain backend's torch must match onnxruntime-gpu's major.
+TORCH_INDEX_TRAINING=${GPU_CHECK_TORCH_INDEX:-https://download.pytorch.org/whl/cu126}
+torch_index_for_cuda() {  # CUDA major of onnxruntime-gpu -> torch's wheel index (as runtime.py)
+  if [ -n "${GPU_CHECK_TORCH_INDEX:-}" ]; then echo "$GPU_CHECK_TORCH_INDEX"; return; fi
+  case "$1" in
+    12) echo https://download.pytorch.org/whl/cu126 ;;
+    13) echo https://download.pytorch.org/whl/cu130 ;;
+    *) die "onnxruntime-gpu is built for CUDA '${1:-none}': no torch index known for it; set GPU_CHECK_TORCH_INDEX" ;;
+  esac
+}
 TRAINING_SPEC="onnxruntime-training==1.19.2"
 CUDA11_LIBS=(nvidia-cuda-runtime-cu11 nvidia-cublas-cu11 "nvidia-cudnn-cu11==8.9.*"
   nvidia-cufft-cu11 nvidia-curand-cu11 nvidia-cuda-nvrtc-cu11)
@@ -95,7 +107,11 @@ EXTRA() { if [ "$1" = ort-training ]; then echo training-gpu; else echo gpu; fi;
 if [ "$DRY_RUN" = 1 ]; then
   for backend in "${BACKENDS[@]}"; do
     echo "plan ($backend): venv $OUT/$backend/venv with $PYTHON"
-    echo "plan ($backend): pip install ${PIP_SOURCE[*]} $TORCH_SPEC (index $TORCH_INDEX)"
+    if [ "$backend" = ort-training ]; then
+      echo "plan ($backend): pip install ${PIP_SOURCE[*]} $TORCH_SPEC (index $TORCH_INDEX_TRAINING)"
+    else
+      echo "plan ($backend): pip install ${PIP_SOURCE[*]} onnxruntime-gpu, then $TORCH_SPEC from the index of its CUDA major (12: cu126, 13: cu130)"
+    fi
     echo "plan ($backend): pip install ${PIP_SOURCE[*]} $(ort_packages "$backend") -e $ROOT[$(EXTRA "$backend")]"
     echo "plan ($backend): python benchmarks/gpu_bench.py --out $OUT/$backend --device cuda --backend $backend"
     if [ "$backend" = ort-training ]; then
@@ -119,12 +135,26 @@ check_backend() {  # BACKEND -> exit status of its runs (0, 1 or 124); dies on a
   "$PYTHON" -m venv "$dir/venv"
   PY="$dir/venv/bin/python"
   PIP=("$PY" -m pip install --quiet --disable-pip-version-check "${PIP_SOURCE[@]}")
+  local torch_index=$TORCH_INDEX_TRAINING ort_cuda
+  if [ "$backend" = ort ]; then
+    step "$backend: installing onnxruntime-gpu, to read the CUDA major it is built for"
+    timeout "$(left)" "${PIP[@]}" onnxruntime-gpu || die "could not install onnxruntime-gpu"
+    ort_cuda=$("$PY" - <<'PY'
+import importlib.util, os, re
+folder = importlib.util.find_spec("onnxruntime").submodule_search_locations[0]
+with open(os.path.join(folder, "capi", "build_and_package_info.py")) as info:
+    found = re.search(r"^cuda_version\s*=\s*['\"](\d+)", info.read(), re.M)
+print(found[1] if found else "")
+PY
+)
+    torch_index=$(torch_index_for_cuda "$ort_cuda")
+  fi
   step "$backend: installing $TORCH_SPEC (CUDA build)"
   if [ -n "$WHEELS" ]; then
     timeout "$(left)" "${PIP[@]}" "$TORCH_SPEC" || die "could not install $TORCH_SPEC from $WHEELS"
   else
-    timeout "$(left)" "${PIP[@]}" --index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple "$TORCH_SPEC" \
-      || die "could not install $TORCH_SPEC from $TORCH_INDEX"
+    timeout "$(left)" "${PIP[@]}" --index-url "$torch_index" --extra-index-url https://pypi.org/simple "$TORCH_SPEC" \
+      || die "could not install $TORCH_SPEC from $torch_index"
   fi
   step "$backend: installing $(ort_packages "$backend") and ort-autopatch[$(EXTRA "$backend")]"
   # shellcheck disable=SC2046  # word splitting wanted: a list of requirements
@@ -133,7 +163,7 @@ check_backend() {  # BACKEND -> exit status of its runs (0, 1 or 124); dies on a
     || die "could not install ort-autopatch[$(EXTRA "$backend")] from $ROOT"
 
   # ORT's CUDA provider loads libcudart, libcublas, libcudnn ... by name: the training build's
-  # CUDA 11 ones from the nvidia-*-cu11 wheels, onnxruntime-gpu's CUDA 12 ones from torch's.
+  # CUDA 11 ones from the nvidia-*-cu11 wheels, onnxruntime-gpu's from torch's (same major).
   local libs
   libs=$("$PY" - <<'PY'
 import glob, os, site
@@ -153,6 +183,9 @@ if not torch.cuda.is_available():
 from ort_autopatch.engine import runtime
 if runtime.resolve("auto") != sys.argv[1]:
     sys.exit(f"gpu_check: the {sys.argv[1]} backend cannot run: {runtime.unavailable_reason(sys.argv[1])}")
+mismatch = runtime.cuda_mismatch(torch.version.cuda, sys.argv[1])
+if mismatch is not None and mismatch[1]:
+    sys.exit(f"gpu_check: {mismatch[0]}")
 import onnxruntime as ort
 if "CUDAExecutionProvider" not in ort.get_available_providers():
     sys.exit(f"gpu_check: onnxruntime {ort.__version__} has no CUDAExecutionProvider (CPU build installed?)")

@@ -490,6 +490,15 @@ def _executor_status(config: Config) -> str:
         return f"cannot be built, gradient nodes call torch through Python: {str(exc)[-300:]}"
 
 
+def _torch_cuda() -> str | None:
+    """The CUDA version torch is built for (None: a CPU build, or torch does not import)."""
+    try:
+        import torch
+    except Exception:  # said by check() already
+        return None
+    return torch.version.cuda
+
+
 def check(config: Config) -> tuple[str, bool]:
     """A short diagnosis: can this interpreter accelerate, and with which settings.
 
@@ -547,6 +556,10 @@ def check(config: Config) -> tuple[str, bool]:
             lines.append(row("providers", ", ".join(providers)))
         except Exception as exc:
             problems.append(f"ONNX Runtime does not load: {exc}")
+        pairing = runtime.cuda_mismatch(_torch_cuda(), backend)  # GPU libraries of each side
+        if pairing is not None:
+            said, is_problem = pairing
+            (problems if is_problem else notes).append(said)
     ok = not problems
     if ok and backend == "ort-training":
         lines.append(row("ATen executor", _executor_status(config)))

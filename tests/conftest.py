@@ -51,6 +51,7 @@ FAST_FILES = {
     "tests/test_build_safety.py",
     "tests/test_callkey.py",
     "tests/test_config.py",
+    "tests/test_cuda_setup.py",
     "tests/test_engine_reporting.py",
     "tests/test_engine_semantics.py",
     "tests/test_errors.py",

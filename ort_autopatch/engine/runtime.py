@@ -143,6 +143,105 @@ def version(distributions: tuple[str, ...] = ()) -> str | None:
     return next(iter(found.values()), None)
 
 
+def gpu_remedy() -> str:
+    """What to install for GPU tensors, for the build this interpreter has: the maintained
+    onnxruntime-gpu (the plain backend), or the training build's CUDA package where that build
+    is the one installed. Reads package metadata only."""
+    found = installed_distributions()
+    if "onnxruntime-training-cpu" in found:
+        return (
+            "Install ort-autopatch[training-gpu] (onnxruntime-training 1.19.2, CUDA 11.8) in "
+            "place of onnxruntime-training-cpu, or use the plain backend's "
+            "ort-autopatch[gpu] (onnxruntime-gpu) in a fresh environment, or run on CPU"
+        )
+    if "onnxruntime-training" in found:  # the CUDA build, its provider missing or unloadable
+        return (
+            "onnxruntime-training's CUDA provider needs the CUDA 11.8 and cuDNN 8 libraries "
+            "(nvidia-*-cu11 wheels, as benchmarks/gpu_check.sh installs); or use the plain "
+            "backend's ort-autopatch[gpu] (onnxruntime-gpu) in a fresh environment, or run on CPU"
+        )
+    if "onnxruntime-gpu" in found:
+        return (
+            "onnxruntime-gpu is installed but offers no CUDA provider here: check that the "
+            "CUDA libraries it was built for are installed (python -m ort_autopatch --check), "
+            "or run on CPU"
+        )
+    return (
+        "Install ort-autopatch[gpu] (onnxruntime-gpu) in place of onnxruntime "
+        "(pip uninstall onnxruntime first: both install the 'onnxruntime' package), "
+        "or run on CPU"
+    )
+
+
+def cuda_version() -> str | None:
+    """The CUDA version ("13.0") the installed ONNX Runtime's CUDA provider is built for, from
+    its build info (`onnxruntime/capi/build_and_package_info.py`, read, not imported); None for
+    a build without CUDA, or when no ONNX Runtime is installed."""
+    import ast
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("onnxruntime")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "capi", "build_and_package_info.py")
+        try:
+            with open(path, encoding="utf-8") as file:
+                tree = ast.parse(file.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "cuda_version" for t in node.targets)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+                and node.value.value
+            ):
+                return node.value.value
+    return None
+
+
+#: torch's wheel index for each CUDA major an onnxruntime-gpu may be built for (PyPI's
+#: onnxruntime-gpu 1.31.1: CUDA 13.0 and cuDNN 9; older releases: CUDA 12).
+TORCH_CUDA_INDEX = {
+    "12": "https://download.pytorch.org/whl/cu126",
+    "13": "https://download.pytorch.org/whl/cu130",
+}
+
+
+def cuda_mismatch(torch_cuda: str | None, backend: str | None) -> tuple[str, bool] | None:
+    """Whether torch's CUDA build (`torch.version.cuda`) and ONNX Runtime's CUDA provider are
+    built for different CUDA majors: (what to say, whether it is a problem), or None when they
+    match or either side has no CUDA. On the plain backend it is a problem: onnxruntime-gpu
+    finds its CUDA libraries beside torch's, and a different major has none. The training
+    build's CUDA 11.8 is never torch's (torch has no CUDA 11 build in the tested range): it
+    needs CUDA 11 libraries of its own, a note."""
+    ort_cuda = cuda_version()
+    if not ort_cuda or not torch_cuda:
+        return None
+    ort_major, torch_major = ort_cuda.split(".")[0], torch_cuda.split(".")[0]
+    if ort_major == torch_major:
+        return None
+    name = next(iter(installed_distributions()), "onnxruntime")
+    both = f"torch is built for CUDA {torch_cuda}, {name}'s CUDA provider for CUDA {ort_cuda}"
+    if backend == "ort-training":
+        return (
+            f"{both}: the training build loads CUDA {ort_major} libraries of its own "
+            f"(nvidia-*-cu{ort_major} wheels on LD_LIBRARY_PATH, as benchmarks/gpu_check.sh "
+            "installs them)",
+            False,
+        )
+    index = TORCH_CUDA_INDEX.get(ort_major, f"the cu{ort_major}x index of your torch release")
+    return (
+        f"{both}, so GPU tensors cannot run in ONNX Runtime; install torch's CUDA {ort_major} "
+        f"build (pip install torch --index-url {index}), or an onnxruntime-gpu built for "
+        f"CUDA {torch_major}",
+        True,
+    )
+
+
 def available_providers() -> list[str]:
     ort, _ = load(training=False)
     providers: list[str] = ort.get_available_providers()

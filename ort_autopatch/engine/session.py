@@ -150,7 +150,7 @@ def _providers(device: torch.device, stream: Any = None) -> list[Any]:
     raise UnsupportedDeviceError(
         "",
         f"tensors on {device} but this onnxruntime build offers only {', '.join(available)}",
-        "Install onnxruntime-training (the CUDA build) for GPU tensors, or run on CPU",
+        runtime.gpu_remedy(),
     )
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ort_autopatch import cli
 from ort_autopatch.config import load_config
-from ort_autopatch.engine import runtime, session
+from ort_autopatch.engine import backend, runtime, session
 from ort_autopatch.engine.errors import UnsupportedDeviceError
 
 
@@ -34,7 +34,7 @@ def test_check_says_when_torch_and_onnx_runtime_are_built_for_different_cuda_maj
     text, ok = _check_text(monkeypatch, "12.6", "13.0")
     said = "torch is built for CUDA 12.6, "
     assert said in text and "CUDA provider for CUDA 13.0" in text, text
-    if runtime.resolve("auto") == "ort":
+    if backend.resolve("auto") == "ort":
         # the plain backend finds its CUDA libraries beside torch's: GPU tensors cannot run
         assert "  problem: torch is built for CUDA 12.6" in text
         assert "https://download.pytorch.org/whl/cu130" in text

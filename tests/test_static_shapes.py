@@ -296,7 +296,7 @@ def test_a_shape_whose_static_graph_cannot_be_built_keeps_the_dynamic_graph(
     real = OrtTrainingBackend.build
 
     def refuse_static(self: OrtTrainingBackend, miss: Miss, *args: Any) -> Any:
-        if miss.shapes() is not None:
+        if miss.shapes is not None:
             raise SessionError("Layer", "refused for the test", "none")
         return real(self, miss, *args)
 

@@ -23,6 +23,7 @@ from ort_autopatch.engine import graph_function
 from ort_autopatch.engine.backend import Backend, Declared, Progress, RunHooks
 from ort_autopatch.engine.recipe import Miss, Recipe
 from ort_autopatch.engine.session import SessionSettings
+from ort_autopatch.engine.shape_policy import DynamicGraphs
 
 NAME = "toy"
 
@@ -124,6 +125,9 @@ class ToyBackend(Backend):
     @staticmethod
     def graph_version() -> str:
         return "toy-1"
+
+    def shape_policy(self) -> DynamicGraphs:
+        return DynamicGraphs(self.options.static_after)
 
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
         from ort_autopatch.engine.calls import OutputSpec, preserved_state, stepping_aside

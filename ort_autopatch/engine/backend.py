@@ -13,12 +13,13 @@ the progress warning. A backend supplies the rest, for one module instance at a 
    and facts only this backend reads). How it captures is its business: the training build
    exports `forward` with the TorchScript exporter and lets ORT's gradient builder
    differentiate it; a backend may as well trace the module with the example inputs
-   (`miss.module`, `miss.call.tensors`, `miss.call.spec()`) through torch's autograd. Set
-   `miss.per_shape` when the graph only fits the call's input shapes (the engine then keys
-   every later graph of the module by shape), or, for a backend with size guards
-   (`guarded`), trace `miss.dynamic` as symbols and say in `Recipe.size_guards` which sizes
-   the graph serves; raise an `EngineError` subclass (with a cause and a remedy) when the
-   call cannot run: the engine falls back to eager.
+   (`miss.module`, `miss.call.tensors`, `miss.call.spec()`) through torch's autograd. Build
+   for `miss.shapes` (None: every size); call `progress.specialises()` when the model's
+   graphs can only fit one input shape each (the engine then keys every later graph of the
+   module by shape); a backend whose graphs carry size guards (its `shape_policy()` is
+   `GuardedSizes`) traces `miss.dynamic` as symbols and says in `Recipe.size_guards` which
+   sizes the graph serves. Raise an `EngineError` subclass (with a cause and a remedy) when
+   the call cannot run: the engine falls back to eager.
 2. `instantiate(recipe, miss, hooks, settings, progress)`: sessions for a recipe (built just
    now or loaded from disk) as a `Program`. `Program.run(feeds, recompute)` takes the
    tensors named by `feed_names` and returns the user outputs (then the checks output, when
@@ -56,9 +57,10 @@ if TYPE_CHECKING:
     import torch
 
     from ort_autopatch.engine import hazards
-    from ort_autopatch.engine.errors import ExecutionError
+    from ort_autopatch.engine.errors import DataDependentError, ExecutionError
     from ort_autopatch.engine.recipe import EngineOptions, Miss, Payload, Recipe
     from ort_autopatch.engine.session import SessionSettings
+    from ort_autopatch.engine.shape_policy import ShapePolicy
     from ort_autopatch.engine.signature import FlatCall
 
 log = logging.getLogger("ort_autopatch")
@@ -143,9 +145,15 @@ Forward = Callable[..., Any]
 
 
 class Progress(Protocol):
-    """What a build is doing now; the engine's watchdog names it when a build is slow."""
+    """A build as it goes: what it is doing now (the engine's watchdog names it when a build
+    is slow), and what it learned that outlasts it, failed or not."""
 
     phase: str
+
+    def specialises(self, cause: str = "") -> None:
+        """The model's graphs must serve one input shape each (a trace froze sizes, a
+        symbolic trace failed; `cause`: where the model's code fixed them, or "")."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -196,13 +204,6 @@ class Backend(ABC):
     #: `EngineOptions` fields this backend does not take: setting one is said once, never
     #: silently ignored
     ignores: ClassVar[tuple[str, ...]] = ()
-    #: every graph serves only the input shapes it was traced for, from the first one on (so
-    #: the first call's key, and its on-disk key, already name the shapes)
-    per_shape: ClassVar[bool] = False
-    #: every graph carries the input sizes it serves (`Recipe.size_guards`): the engine admits
-    #: a call to the first graph whose guards hold, and asks for symbolic dimensions
-    #: (`Miss.dynamic`) once a key has seen a second input shape
-    guarded: ClassVar[bool] = False
 
     def __init__(self, module_class: str, options: EngineOptions, forward: Forward) -> None:
         self.module_class = module_class
@@ -218,6 +219,31 @@ class Backend(ABC):
         """What decides this backend's graphs besides the tool's, torch's and ONNX Runtime's
         versions (its passes, its sources, the exporter's packages): part of every persistent
         cache key. Cheap: a cache hit calls it before anything else is loaded."""
+
+    def found(self, found: Sequence[hazards.Hazard]) -> None:
+        """Keep the hazards a trace found, each once, for the report."""
+        known = set(self.hazards)
+        self.hazards.extend(h for h in found if h not in known)
+
+    def data_dependent(self, found: Sequence[hazards.Hazard]) -> DataDependentError:
+        """The refusal of a call whose forward decides from tensor values (`found`: where),
+        which a graph would freeze: the same words on every backend."""
+        from ort_autopatch.engine.errors import DataDependentError
+
+        places = "; ".join(h.describe() for h in found)
+        return DataDependentError(
+            self.module_class,
+            f"forward decides from tensor values, which a graph would freeze ({places})",
+            "It runs in PyTorch; compute such decisions outside the selected module, or "
+            "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
+        )
+
+    @abstractmethod
+    def shape_policy(self) -> ShapePolicy:
+        """How the engine keys this backend's graphs by input shape (`shape_policy.py`):
+        `DynamicGraphs` (one graph with dynamic axes, static-shape graphs for the first and
+        for hot shapes) or `GuardedSizes` (every graph carries the sizes it serves), made
+        with `self.options.static_after`."""
 
     def refuse(self, call: FlatCall) -> None:  # noqa: B027  (optional: most accept every call)
         """Raise UnsupportedInputError for a training call this backend cannot run at all

@@ -17,13 +17,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import budget, session
 from ort_autopatch.engine.backend import Backend, RunHooks
-from ort_autopatch.engine.callkey import KeyMaker
+from ort_autopatch.engine.callkey import KeyMaker, Shapes
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
@@ -65,13 +66,14 @@ class Builder:
         self._persistence = persistence
         self.settings = settings
         self.records: list[BuildRecord] = []
+        self.learned = Learned()  # what the last build found (`build`)
         self._arena_shapes: tuple[tuple[int, ...], ...] | None = None  # see `_uses_arena`
 
     def build(self, miss: Miss, reason: str) -> Entry:
-        """Build the graph of one key: for the call's shapes only when the model specialises
-        on sizes (`miss.per_shape`, which the build may turn on) or the shapes earned a
-        static-shape graph (`miss.hot`). The export runs under the call's autocast state (this
-        thread's), so it traces autocast's casts."""
+        """Build the graph of one key, for the shapes `miss.shapes` asks. The export runs
+        under the call's autocast state (this thread's), so it traces autocast's casts.
+        What the build learned, failed or not, is `learned` afterwards."""
+        self.learned = Learned()
         try:
             with _outside_saved_tensor_hooks():
                 return self._build(miss, reason)
@@ -89,7 +91,7 @@ class Builder:
 
     def _build(self, miss: Miss, reason: str) -> Entry:
         limits = budget.Limits(self.options.max_build_seconds, self.options.max_graph_nodes)
-        with _progress(self._cls) as progress, budget.limited(self._cls, limits):
+        with _progress(self._cls, self.learned) as progress, budget.limited(self._cls, limits):
             start = time.perf_counter()
             persisted = self._persistent_key(miss)
             if persisted is not None:
@@ -125,26 +127,30 @@ class Builder:
             self._record(
                 reason, export_seconds, time.perf_counter() - start - export_seconds, entry
             )
-            self.records[-1].per_shape = miss.per_shape
-            self.records[-1].hot_shape = miss.hot is not None and not miss.per_shape
+            per_shape = miss.per_shape or self.learned.per_shape
+            self.records[-1].per_shape = per_shape
+            self.records[-1].hot_shape = miss.hot is not None and not per_shape
             guards = entry.recipe.size_guards
             self.records[-1].dynamic = guards is not None and guards.is_dynamic
-        # Recomputed: the build may have switched every graph to static shapes.
+        # Recomputed: the build may have switched to the call's own shapes.
         self._persistence.save(
             miss.module,
             entry.recipe,
             entry.program.saved_graphs,
             miss.call,
-            self._persistent_key(miss),
+            self._persistent_key(miss, miss.call.shapes() if self.learned.per_shape else None),
             base_key=persisted,
         )
         return entry
 
-    def _persistent_key(self, miss: Miss) -> str | None:
+    def _persistent_key(self, miss: Miss, shapes: Shapes | None = None) -> str | None:
+        """The on-disk key of the graph built for `miss` (for `shapes`, when the build found
+        it serves only those)."""
         if not self._persistence.enabled:
             return None
         requires = miss.state.requires_grad_flags() if miss.grad else []
-        key = self._keys.key(miss.grad, miss.call.signature, miss.shapes(), requires, miss.autocast)
+        shapes = miss.shapes if shapes is None else shapes
+        key = self._keys.key(miss.grad, miss.call.signature, shapes, requires, miss.autocast)
         return self._persistence.key(miss.module, miss.state, key, miss.device)
 
     def _record(
@@ -205,9 +211,24 @@ class Builder:
         return Entry(recipe, program, feeds)
 
 
+@dataclass
+class Learned:
+    """What a build found that outlasts it, failed or not (`Progress.specialises`)."""
+
+    per_shape: bool = False  # the model's graphs serve one input shape each
+    cause: str = ""  # where the model's code fixed the sizes, when known
+
+
 class _Progress:
-    def __init__(self) -> None:
+    """A build as it goes (`backend.Progress`)."""
+
+    def __init__(self, learned: Learned) -> None:
         self.phase = "export"
+        self._learned = learned
+
+    def specialises(self, cause: str = "") -> None:
+        self._learned.per_shape = True
+        self._learned.cause = self._learned.cause or cause
 
 
 @contextmanager
@@ -230,9 +251,9 @@ def _outside_saved_tensor_hooks() -> Iterator[None]:
 
 
 @contextmanager
-def _progress(cls: str) -> Iterator[_Progress]:
+def _progress(cls: str, learned: Learned) -> Iterator[_Progress]:
     """Say while it runs that a slow build is still working, so nobody thinks training hung."""
-    progress = _Progress()
+    progress = _Progress(learned)
     done = threading.Event()
     start = time.perf_counter()
 

@@ -28,7 +28,7 @@ from ort_autopatch.engine import (
 from ort_autopatch.engine.backend import choose
 from ort_autopatch.engine.build import Builder
 from ort_autopatch.engine.cache import GraphCache
-from ort_autopatch.engine.callkey import CallKey, Guards, HotShapes, KeyMaker, Shapes
+from ort_autopatch.engine.callkey import CallKey, Guards, KeyMaker, Shapes
 from ort_autopatch.engine.entry import Entry, Specialises
 from ort_autopatch.engine.errors import (
     BuildOverBudget,
@@ -39,7 +39,6 @@ from ort_autopatch.engine.errors import (
     SessionError,
 )
 from ort_autopatch.engine.recipe import BuildRecord, EngineOptions, Miss, Recipe
-from ort_autopatch.engine.sizes import SizeClasses, SizeGuards
 from ort_autopatch.engine.state import ModuleState
 
 __all__ = ["BuildRecord", "EngineOptions", "ModuleEngine", "Recipe"]
@@ -51,8 +50,6 @@ _STATIC_GRAPH_FAILURES = (GradientBuildError, SessionError)
 
 _any_autocast = torch._C._is_any_autocast_enabled
 
-#: input shapes per gradient/train mode that may earn a static-shape graph (`HotShapes`)
-HOT_SHAPES_PER_MODE = 2
 
 
 def _default_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -92,7 +89,6 @@ class ModuleEngine:
         self._cache: GraphCache[Entry] = GraphCache(self.options.cache_size)
         self._state = ModuleState(module)
         self._keys = KeyMaker(self._state, guards)
-        self._per_shape = False  # every graph serves one input shape (sizes were traced)
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
         self.verifications: list[verify.Verification] = []  # --verify's comparisons
@@ -102,14 +98,8 @@ class ModuleEngine:
         self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
         backend = choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
-        self._per_shape = backend.per_shape
-        # graphs carry size guards (`Backend.guarded`): a call is admitted by them
-        self._guarded = backend.guarded
-        # a guarded backend traces its first graph for the call's sizes by itself
-        self._hot = HotShapes(
-            self.options.static_after, HOT_SHAPES_PER_MODE, first=not self._guarded
-        )
-        self._sizes = SizeClasses()
+        # which input shapes each graph serves, and how a call finds its graph
+        self._shapes = self._backend.shape_policy()
         self._builder = Builder(
             self._cls,
             self.options,
@@ -177,7 +167,7 @@ class ModuleEngine:
             if module is not None:
                 self._state = ModuleState(module)
             self._cache.clear()
-            self._sizes.clear()
+            self._shapes.clear()
             self._trusted.clear()
             self._verified.clear()
             self._keys.forget(self._state, reason)
@@ -213,7 +203,7 @@ class ModuleEngine:
             # now on one graph per input shape (this call included).
             log.debug("%s: %s differs for this call; one graph per shape", self._cls, exc)
             with self._lock:
-                self._per_shape = True
+                self._shapes.specialises()
                 self._keys.note(f"sizes change a traced value ({exc.where})")
             return self._run(module, args, kwargs, False, check_devices, recompute)
 
@@ -232,18 +222,11 @@ class ModuleEngine:
         if _any_autocast():  # one C call while autocast is off
             autocast = amp.state(self._device_type(call))
         mode = (torch.is_grad_enabled(), module.training, autocast)
-        hot: Shapes | None = None
-        earned = False
-        if not self._per_shape:
-            hot, earned = self._hot.pick(mode, call.shapes)
+        hot, earned = self._shapes.pick(mode, call)
         if trust_last and not earned and mode in self._trusted:
             last = self._trusted[mode]
-            # even unchecked, a static-shape graph never takes another shape
-            if (
-                self._sizes.admits(last, call.shapes())
-                if self._guarded
-                else last.shapes == self._key_shapes(call, hot)
-            ):
+            # even unchecked, a graph never takes sizes it was not built for
+            if self._shapes.fits(last, call, hot):
                 trusted = self._cache.get(last)  # None once evicted
                 if trusted is not None:
                     return trusted.run(self._state, call, recompute)
@@ -263,17 +246,16 @@ class ModuleEngine:
             self._backend.refuse(call)
         else:
             requires = []
-        if earned and not (
-            # a graph traced for exactly these shapes may serve them already
-            self._guarded and self._cache.holds(self._key(grad, call, requires, hot, autocast))
+        if earned and self._shapes.earned_new(
+            self._key(grad, call, requires, hot, autocast), self._cache.holds
         ):
             self._keys.note(
-                f"input shape repeated {self._hot.after} calls: a static-shape graph for it"
+                f"input shape repeated {self._shapes.hot.after} calls: a static-shape graph for it"
             )
         try:
             key, entry = self._entry(module, state, call, grad, requires, hot, autocast)
         except EngineError as exc:
-            if hot is None or self._per_shape:
+            if hot is None or self._shapes.per_shape:
                 raise
             dynamic = self._key(grad, call, requires, None, autocast)
             if not (self._cache.holds(dynamic) or isinstance(exc, _STATIC_GRAPH_FAILURES)):
@@ -285,7 +267,7 @@ class ModuleEngine:
             # ONNX Runtime refused the static-shape graph itself, or the dynamic graph is
             # there: the dynamic graph serves these shapes.
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
-            self._hot.refuse(mode, hot)
+            self._shapes.hot.refuse(mode, hot)
             key, entry = self._entry(module, state, call, grad, requires, None, autocast)
         if self.options.verify and self._verified.get(key, 0) < self.options.verify:
             self._verified[key] = self._verified.get(key, 0) + 1
@@ -320,10 +302,8 @@ class ModuleEngine:
             )
             if refused is not None:
                 raise refused
-            reason = self._keys.miss_reason(key)
             base = dataclasses.replace(key, shapes=None)
-            if self._guarded and reason == "new input shape":
-                reason = self._sizes.reason(base, call.shapes()) or reason
+            reason = self._shapes.miss_reason(base, call, self._keys.miss_reason(key))
             try:
                 entry = self._cache.get_or_build(
                     key,
@@ -336,11 +316,10 @@ class ModuleEngine:
                 raise
             # The build may have switched to static shapes or taught the guards new
             # attributes: file the graph under the key later calls will compute.
-            if self._guarded:  # filed by its guards (`_build` made them known)
-                base = self._base(grad, call, requires, autocast)
-                settled = self._sizes.key_of(base, self._size_guards(entry, call))
-            else:
-                settled = self._key(grad, call, requires, hot, autocast)
+            base = self._base(grad, call, requires, autocast)
+            settled = self._shapes.settled(
+                self._keys, grad, call, requires, hot, autocast, base, entry.recipe.size_guards
+            )
             if settled != key:
                 self._cache.rekey(key, settled)
                 key = settled
@@ -359,15 +338,7 @@ class ModuleEngine:
         `autocast`: the call's autocast state."""
         if requires is None:
             requires = self._state.requires_grad_flags() if grad else []
-        if not self._guarded:
-            shapes = self._key_shapes(call, hot)
-            return self._keys.key(grad, call.signature, shapes, requires, autocast)
-        key = self._keys.key(grad, call.signature, None, requires, autocast)
-        if hot is not None:  # the graph traced for exactly these shapes
-            return self._sizes.exact(key, hot)
-        # the graph whose size guards admit the call, else (a miss) the call's shapes
-        found = self._sizes.classify(key, call.shapes(), self._cache.holds)
-        return found if found is not None else dataclasses.replace(key, shapes=call.shapes())
+        return self._shapes.key(self._keys, grad, call, requires, hot, autocast, self._cache.holds)
 
     def _base(
         self, grad: bool, call: signature.FlatCall, requires: list[bool], autocast: amp.State
@@ -377,11 +348,6 @@ class ModuleEngine:
         key = self._keys.key(grad, call.signature, None, requires, autocast)
         return dataclasses.replace(key, shapes=None)
 
-    @staticmethod
-    def _size_guards(entry: Entry, call: signature.FlatCall) -> SizeGuards:
-        guards = entry.recipe.size_guards
-        return guards if guards is not None else SizeGuards(call.shapes())
-
     def _device_type(self, call: signature.FlatCall) -> str:
         """The device type whose autocast state applies: the module's tensors', else the
         inputs' (a module without parameters)."""
@@ -389,11 +355,6 @@ class ModuleEngine:
         if device_type is None:
             device_type = call.tensors[0].device.type if call.tensors else "cpu"
         return device_type
-
-    def _key_shapes(self, call: signature.FlatCall, hot: Shapes | None) -> Shapes | None:
-        """The input shapes a call's key holds: all of them once the model specialises on
-        sizes, the earned static-shape graph's (`hot`), or None (one graph for every size)."""
-        return call.shapes() if self._per_shape else hot
 
     def _build(
         self,
@@ -415,26 +376,33 @@ class ModuleEngine:
                 "Move the module and its inputs to one device (model.to(device))",
             )
         device = next(iter(devices), torch.device("cpu"))
-        miss = Miss(module, state, call, grad, device, hot, self._per_shape, autocast)
-        if self._guarded:
-            miss.guarded = True
-            miss.dynamic = (
-                None if hot is not None else self._sizes.dynamic_dims(base, call.shapes())
-            )
-            # the key's symbolic traces failed: this graph is one per shape for that reason
-            miss.per_shape |= hot is None and self._sizes.per_shape(base)
+        request = self._shapes.request(base, call, hot)
+        miss = Miss(
+            module,
+            state,
+            call,
+            grad,
+            device,
+            hot,
+            request.shapes,
+            request.per_shape,
+            autocast,
+            request.dynamic,
+        )
         try:
             entry = self._builder.build(miss, reason)
         finally:
             # what the build learned holds even when it failed: the model specialises on sizes
-            if self._guarded:
-                base = self._base(grad, call, requires, autocast)
-            if miss.per_shape and self._guarded:
-                self._sizes.static_only(base, miss.per_shape_cause)
-            elif miss.per_shape:
-                self._per_shape = True
-        if self._guarded:
-            self._sizes.add(base, self._size_guards(entry, call))
+            # (the key without sizes again: the build may have taught the guards attributes)
+            learned = self._builder.learned
+            self._shapes.learned(
+                self._base(grad, call, requires, autocast),
+                request.per_shape or learned.per_shape,
+                learned.cause,
+            )
+        self._shapes.built(
+            self._base(grad, call, requires, autocast), entry.recipe.size_guards, call
+        )
         return entry
 
     def _verify(

@@ -95,17 +95,15 @@ class Recipe:
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
     checks: list[hazards.Check] = field(default_factory=list)  # the last user outputs
     traced_shapes: tuple[tuple[int, ...], ...] | None = None  # the example's input shapes
-    # the sizes the graph serves, for a backend whose graphs carry guards (`Backend.guarded`)
+    # the sizes the graph serves, for a backend whose graphs carry guards (`GuardedSizes`)
     size_guards: SizeGuards | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Miss:
-    """One build request: the call that missed the cache and everything its graph depends on.
-
-    `per_shape` says whether the graph serves only the call's input shapes; a build may turn
-    it on (the trace froze sizes, or ORT needs static shapes), never off.
-    """
+    """One build request: the call that missed the cache, everything its graph depends on,
+    and the shapes the engine's shape policy asks the graph to serve. A build tells what it
+    learned (the model specialises on sizes) through its progress, never by changing this."""
 
     module: torch.nn.Module
     state: ModuleState
@@ -113,26 +111,15 @@ class Miss:
     grad: bool  # the graph has a backward graph (a training call)
     device: torch.device
     hot: Shapes | None  # the input shapes that earned a static-shape graph of their own
-    per_shape: bool  # every graph of this module serves one input shape
+    #: the input shapes the graph is built and keyed for (-1 for a dimension traced as a
+    #: symbol), or None for a graph of every size (dynamic axes)
+    shapes: Shapes | None
+    #: every graph of this module serves one input shape (the model specialises on sizes)
+    per_shape: bool = False
     autocast: amp.State = None  # the call's autocast state, which the export runs under
-    #: a backend with size guards (`Backend.guarded`): the dimensions to trace as symbols
-    #: (None: the call's shapes exactly); the build clears it when a symbolic trace fails
+    #: the dimensions to trace as symbols (a backend whose graphs carry size guards), or None
     dynamic: Dims | None = None
-    guarded: bool = False
-    #: why the graph serves only the call's shapes when the model's code made it so (a size
-    #: read as a Python value, and where): the rebuild reason of the key's later graphs
-    per_shape_cause: str = ""
-
-    def shapes(self) -> Shapes | None:
-        """The input shapes the graph is built and keyed for (-1 for a dimension traced as a
-        symbol), or None for a dynamic graph."""
-        if self.guarded:
-            shapes = self.call.shapes()
-            if self.dynamic is None:
-                return shapes
-            return SizeGuards(shapes, self.dynamic).pattern()
-        return self.call.shapes() if self.per_shape else self.hot
 
     def one_shape(self) -> bool:
         """Whether the graph serves one input shape (it may allocate from a shared arena)."""
-        return self.hot is not None or self.per_shape or (self.guarded and self.dynamic is None)
+        return self.shapes is not None and self.dynamic is None

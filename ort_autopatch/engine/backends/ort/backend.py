@@ -24,7 +24,6 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import calls, hazards, runtime, session, tracing
+from ort_autopatch.engine import calls, runtime, session, tracing
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
@@ -49,6 +48,7 @@ from ort_autopatch.engine.sizes import SizeGuards
 
 if TYPE_CHECKING:
     from ort_autopatch.engine.backends.ort.program import OrtProgram
+    from ort_autopatch.engine.shape_policy import ShapePolicy
 
 log = logging.getLogger("ort_autopatch")
 
@@ -88,7 +88,6 @@ class OrtBackend(Backend):
     """Graphs from torch's autograd, run by the inference-only `onnxruntime`."""
 
     name: ClassVar[str] = "ort"
-    guarded: ClassVar[bool] = True  # each graph says which sizes it serves
     #: the training build's: its opset (torchlib writes opset 18), its torch-calling nodes
     ignores: ClassVar[tuple[str, ...]] = ("opset", "torch_ops", "no_torch_ops", "compile_executor")
 
@@ -105,6 +104,12 @@ class OrtBackend(Backend):
         from ort_autopatch.engine.backends.ort import program
 
         return OrtPayload(program.Lowered.from_stored(meta, graphs), stored=True)
+
+    def shape_policy(self) -> ShapePolicy:
+        """Each graph says which sizes it serves (`Recipe.size_guards`)."""
+        from ort_autopatch.engine.shape_policy import GuardedSizes
+
+        return GuardedSizes(self.options.static_after)
 
     def refuse(self, call: FlatCall) -> None:
         """A training call under a functorch transform (vmap, grad) is refused: torch's
@@ -241,7 +246,7 @@ class OrtBackend(Backend):
 
     def _symbolic(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards] | None:
         """The call traced with `miss.dynamic` as symbols, lowered, and its guards; None (and
-        `miss` told: one graph per shape) when the trace fails or fixes every symbol."""
+        the build told: one graph per shape) when the trace fails or fixes every symbol."""
         from ort_autopatch.engine.backends.ort import (
             capture,
             decompositions,
@@ -251,6 +256,7 @@ class OrtBackend(Backend):
 
         assert miss.dynamic is not None
         call, cls = miss.call, self.module_class
+        cause = ""
         progress.phase = "tracing forward and backward with symbolic sizes"
         try:
             env, fakes = symbolic.fake_inputs(call.tensors, miss.dynamic)
@@ -259,11 +265,11 @@ class OrtBackend(Backend):
                 miss.module, self.forward, call.spec(), fakes, cls, decompositions.table()
             )
             found = plain_hazards.size_hazards(env)
-            self._found(found)
+            self.found(found)
             guards = symbolic.size_guards(env, fakes, call.shapes())
             if not guards.is_dynamic:
                 if found:  # the model's code fixed them: its later graphs say where
-                    miss.per_shape_cause = f"sizes change a traced value ({found[0].where})"
+                    cause = f"sizes change a traced value ({found[0].where})"
                 raise ValueError("the trace fixed every symbolic size")
             for gm in (captured.forward, captured.backward):
                 if gm is not None:
@@ -272,29 +278,18 @@ class OrtBackend(Backend):
             lowered = program.lower(captured, cls)
         except Exception as exc:
             log.debug("%s: no graph with symbolic sizes (%s); one per shape", cls, exc)
-            miss.dynamic, miss.per_shape = None, True
+            progress.specialises(cause)
             return None
         return captured, lowered, guards
 
-    def _found(self, found: Sequence[hazards.Hazard]) -> None:
-        """Keep the hazards a trace found, each once, for the report."""
-        known = set(self.hazards)
-        self.hazards.extend(h for h in found if h not in known)
-
     def _data_dependent(self, exc: ExportError) -> DataDependentError | None:
         """A trace stopped by forward reading tensor data: the hazard kept, and the refusal
-        that names its place (the training build's, for the same reason)."""
+        that names its place."""
         hazard = plain_hazards.value_hazard(exc)
         if hazard is None:
             return None
-        self._found([hazard])
-        places = hazard.describe()
-        return DataDependentError(
-            self.module_class,
-            f"forward decides from tensor values, which a graph would freeze ({places})",
-            "It runs in PyTorch; compute such decisions outside the selected module, or "
-            "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
-        )
+        self.found([hazard])
+        return self.data_dependent([hazard])
 
     def instantiate(
         self,

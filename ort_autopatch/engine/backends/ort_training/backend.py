@@ -46,7 +46,6 @@ from ort_autopatch.engine.backends.ort_training.run import (
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
-    DataDependentError,
     ExportError,
     GradientBuildError,
     SessionError,
@@ -54,6 +53,7 @@ from ort_autopatch.engine.errors import (
     UnsupportedModelError,
 )
 from ort_autopatch.engine.recipe import Miss, Recipe
+from ort_autopatch.engine.shape_policy import DynamicGraphs, ShapePolicy
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
 
@@ -218,6 +218,11 @@ class OrtTrainingBackend(Backend):
         # operators learned to need torch-calling nodes, so later exports start with them
         self._routed: frozenset[str] = frozenset(self.options.torch_ops)
 
+    def shape_policy(self) -> ShapePolicy:
+        """One graph with dynamic axes; static-shape graphs for the first shape of a mode and
+        for shapes that keep coming back."""
+        return DynamicGraphs(self.options.static_after)
+
     def refuse(self, call: FlatCall) -> None:
         """ORT 1.19.2's gradient kernels reject zero-size dimensions (GemmGrad: K > 0), so a
         training call with an empty batch is refused before it runs (the default fallback
@@ -260,21 +265,21 @@ class OrtTrainingBackend(Backend):
         return self._build(miss, progress)
 
     def _build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
-        dynamic = miss.shapes() is None
+        dynamic = miss.shapes is None
         try:
-            exported = self._export(miss, dynamic=dynamic)
-            if dynamic and miss.per_shape:
+            exported = self._export(miss, progress, dynamic=dynamic)
+            if dynamic and exported.findings.static:
                 # The trace froze sizes: this graph serves one input shape, and ORT gets it with
                 # static shapes (its gradient builder can abort on a dynamic graph whose
                 # structure was sized for one example, e.g. a Split unrolled over time).
                 dynamic = False
-                exported = self._export(miss, dynamic=False)
+                exported = self._export(miss, progress, dynamic=False)
             model = graph.load(exported.model_bytes)
             if dynamic and miss.grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
                 raise _NeedsStaticShapes
             budget.check("before its gradient build")
             progress.phase = "gradient build"
-            recipe, exported = self._routed_recipe(miss, exported, model, dynamic)
+            recipe, exported = self._routed_recipe(miss, progress, exported, model, dynamic)
             return recipe, exported.seconds
         except (_NeedsStaticShapes, ExportError, GradientBuildError) as exc:
             if not dynamic:
@@ -284,18 +289,23 @@ class OrtTrainingBackend(Backend):
             # sizes: such modules get one graph per input shape instead.
             log.debug("%s: building with static shapes (%s)", self.module_class, type(exc).__name__)
             progress.phase = "export"
-            exported = self._export(miss, dynamic=False)
+            exported = self._export(miss, progress, dynamic=False)
             model = graph.load(exported.model_bytes)
             progress.phase = "gradient build"
-            recipe, exported = self._routed_recipe(miss, exported, model, dynamic=False)
-            miss.per_shape = True
+            recipe, exported = self._routed_recipe(miss, progress, exported, model, dynamic=False)
+            progress.specialises()
             return recipe, exported.seconds
 
     def may_route(self, name: str) -> bool:
         return not any(fnmatch.fnmatchcase(name, p) for p in self.options.no_torch_ops)
 
     def _routed_recipe(
-        self, miss: Miss, exported: export.ExportedGraph, model: Any, dynamic: bool
+        self,
+        miss: Miss,
+        progress: Progress,
+        exported: export.ExportedGraph,
+        model: Any,
+        dynamic: bool,
     ) -> tuple[Recipe, export.ExportedGraph]:
         """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
         export produced it become torch-calling nodes and the call is exported again."""
@@ -331,11 +341,16 @@ class OrtTrainingBackend(Backend):
             log.debug(
                 "%s: %s become torch-calling nodes", self.module_class, ", ".join(sorted(more))
             )
-            exported = self._export(miss, dynamic=dynamic, routed=exported.routed | more)
+            routed = exported.routed | more
+            exported = self._export(miss, progress, dynamic=dynamic, routed=routed)
             model = graph.load(exported.model_bytes)
 
     def _export(
-        self, miss: Miss, dynamic: bool, routed: frozenset[str] | None = None
+        self,
+        miss: Miss,
+        progress: Progress,
+        dynamic: bool,
+        routed: frozenset[str] | None = None,
     ) -> export.ExportedGraph:
         from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
 
@@ -352,32 +367,24 @@ class OrtTrainingBackend(Backend):
             routed=chosen,
             may_route=self.may_route,
         )
-        self._judge(miss, exported.findings)
+        self._judge(progress, exported.findings)
         return exported
 
-    def _judge(self, miss: Miss, findings: hazards.Findings) -> None:
+    def _judge(self, progress: Progress, findings: hazards.Findings) -> None:
         """Decide what a trace's hazards allow: none at all when forward decided something
         from tensor values; a graph per input shape when the graph's structure follows the
         sizes; otherwise one graph that recomputes the size-derived values it froze (checks)."""
         found = findings.hazards
-        known = set(self.hazards)
-        self.hazards.extend(h for h in found if h not in known)
-        worst = hazards.worst(found)
-        if worst == hazards.VALUE:
-            places = "; ".join(h.describe() for h in found if h.kind == hazards.VALUE)
-            raise DataDependentError(
-                self.module_class,
-                f"forward decides from tensor values, which a graph would freeze ({places})",
-                "It runs in PyTorch; compute such decisions outside the selected module, or "
-                "exclude the class (ORT_AUTOPATCH_EXCLUDE) to silence this",
-            )
-        if findings.static and not miss.per_shape:
+        self.found(found)
+        if hazards.worst(found) == hazards.VALUE:
+            raise self.data_dependent([h for h in found if h.kind == hazards.VALUE])
+        if findings.static:
             log.debug(
                 "%s: the trace froze sizes (%s); one graph per input shape",
                 self.module_class,
                 "; ".join(h.describe() for h in found),
             )
-            miss.per_shape = True
+            progress.specialises()
 
     def _recipe(self, miss: Miss, exported: export.ExportedGraph, model: Any) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
@@ -579,9 +586,13 @@ class OrtTrainingBackend(Backend):
 
 
 class _Quiet:
-    """A build's progress that nobody watches (a session made again at a later call)."""
+    """A build's progress that nobody watches (a session made again at a later call: no
+    trace, so nothing to learn)."""
 
     phase = ""
+
+    def specialises(self, cause: str = "") -> None:
+        pass
 
 
 def _input_shapes(recipe: Recipe, call: FlatCall) -> dict[str, tuple[int, ...]]:

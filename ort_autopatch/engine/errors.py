@@ -155,3 +155,12 @@ class OutputAliasError(UnsupportedModelError):
     reason = "an output shares memory with an input or parameter"
     known_limitation = True
 
+
+class UnrepeatableDrawsError(UnsupportedModelError):
+    """A graph with random operators ONNX Runtime seeds once per session (`RandomNormalLike`
+    from `randn_like`, `Bernoulli`, ...) would be run again for the same call (activation
+    checkpointing, a recomputing forward): the rerun would draw other numbers than the run it
+    replays, where eager's replays the same, so the gradients would be of another draw."""
+
+    reason = "random operators a rerun cannot repeat"
+    known_limitation = True

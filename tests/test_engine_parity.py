@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ort_autopatch.engine import EngineError, ModuleEngine, backend, runtime
+from ort_autopatch.engine.errors import OutputAliasError
 from tests.helpers import assert_training_parity
 
 # A parity suite needs a backend that runs here: without one it fails at collection (with the
@@ -158,9 +159,7 @@ def test_transformer_encoder_layer_parity_dropout_zero() -> None:
 
     # SGD, not AdamW: the key bias has an exactly-zero true gradient (softmax is shift-invariant),
     # and Adam would turn its rounding noise into full-size steps of arbitrary sign.
-    run = assert_training_parity(
-        layer, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS
-    )
+    run = assert_training_parity(layer, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
     _assert_every_kind_of_graph_ran(run)
 
 
@@ -340,7 +339,12 @@ class MultiIO(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor, shift: float = 0.0):
         h = torch.relu(self.a(x) + self.b(y)) * scale + shift
         logits = self.out(h)
-        return {"pair": (h, logits), "label": logits.argmax(-1), "y": y}
+        return {"pair": (h, logits), "label": logits.argmax(-1), "y": y * 0.5}
+
+
+class PassThrough(MultiIO):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor, shift: float = 0.0):
+        return {**super().forward(x, y, scale=scale, shift=shift), "y": y}
 
 
 def test_multi_input_keyword_dict_output_parity() -> None:
@@ -356,17 +360,25 @@ def test_multi_input_keyword_dict_output_parity() -> None:
     def loss(out) -> torch.Tensor:
         h, logits = out["pair"]
         assert out["label"].dtype == torch.int64
-        return (h * h).mean() + logits.logsumexp(-1).mean() + (out["y"] * 0.5).sum()
+        return (h * h).mean() + logits.logsumexp(-1).mean() + out["y"].sum()
 
     assert_training_parity(MultiIO(), inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
 
 
-def test_passthrough_output_is_the_input_values() -> None:
+def test_passthrough_output_is_the_input_itself_or_refused() -> None:
+    """The plain backend returns the input itself, as eager; the training build, which could
+    return only a copy (a later write into either would not reach the other), refuses."""
     torch.manual_seed(0)
-    engine = ModuleEngine(MultiIO())
+    engine = ModuleEngine(PassThrough())
     x, y = torch.randn(3, 6), torch.randn(3, 5)
+    if backend.resolve() == "ort-training":
+        with pytest.raises(OutputAliasError, match="output 3 shares memory with input 1"):
+            engine(x, y, scale=torch.ones(8))
+        return
     out = engine(x, y, scale=torch.ones(8))
     assert torch.equal(out["y"], y)
+    if backend.resolve() == "ort":
+        assert out["y"] is y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,8 +485,6 @@ def test_bert_for_sequence_classification_parity(attn_implementation: str) -> No
         return out.loss
 
     # SGD: attention key biases have exactly-zero true gradients (see the encoder-layer test).
-    run = assert_training_parity(
-        model, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS
-    )
+    run = assert_training_parity(model, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
     assert run.engine_model.config._attn_implementation == attn_implementation
     _assert_every_kind_of_graph_ran(run)

@@ -240,3 +240,44 @@ def test_two_runs_of_lstm_and_gru_models_with_one_seed_are_bit_identical() -> No
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert results[0]["ort_calls"] == 8
     assert results[0] == results[1]
+
+
+class Reparameterised(nn.Module):
+    """A VAE's sampling step: noise from `randn_like` (ORT's RandomNormalLike, seeded once per
+    session) scaled by a learned deviation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h + torch.exp(0.5 * h) * torch.randn_like(h)
+
+
+def test_a_graph_with_session_seeded_draws_under_checkpointing_runs_in_pytorch() -> None:
+    """Activation checkpointing runs forward again in backward: eager replays its draws, a
+    graph whose random operators ORT seeds per session would draw other noise, so that the
+    gradient belonged to another sample than the output. Refused there, the call runs in
+    PyTorch; the gradient is the one of the returned sample. Outside checkpointing the graph
+    serves the call in ONNX Runtime."""
+    from torch.utils.checkpoint import checkpoint
+
+    patcher.patch(Reparameterised)
+    torch.manual_seed(0)
+    model = Reparameterised()
+    x = torch.randn(16, 8)
+    model(x).sum().backward()  # builds the graph, outside checkpointing
+    assert _ort_calls(Reparameterised) == 1
+    for _ in range(2):
+        model.zero_grad()
+        y = checkpoint(model, x, use_reentrant=False)
+        h = model.fc(x).detach()
+        noise = (y.detach() - h) / torch.exp(0.5 * h)  # the sample the output holds
+        y.square().sum().backward()
+        # d/dh of (h + exp(h/2) * noise)^2, through the linear layer's bias
+        expected = (2 * y.detach() * (1 + 0.5 * torch.exp(0.5 * h) * noise)).sum(0)
+        torch.testing.assert_close(model.fc.bias.grad, expected, rtol=1e-4, atol=1e-4)
+    stats = report.stats_for(patcher.class_name(Reparameterised))
+    assert _ort_calls(Reparameterised) == 1
+    assert {r for r, _ in stats.fallbacks} == {"random operators a rerun cannot repeat"}

@@ -136,3 +136,31 @@ class BuildOverBudget(EngineError):
 
     kind = FailureKind.UNSUPPORTED_TORCH_MODEL
     reason = "build over budget"
+
+
+class InputWriteError(UnsupportedModelError):
+    """forward writes into one of its inputs, and the backend cannot write the new value
+    back into the caller's tensor (the training build): a graph would leave the caller's
+    tensor as it was, a wrong value."""
+
+    reason = "forward writes into its inputs"
+    known_limitation = True
+
+
+class OutputAliasError(UnsupportedModelError):
+    """An output shares memory with an input, a parameter or a buffer, and the backend can
+    only return a copy (the training build): a later write into either would not reach the
+    other, as it does in eager, nor would an optimizer step reach a returned parameter view."""
+
+    reason = "an output shares memory with an input or parameter"
+    known_limitation = True
+
+
+class UnrepeatableDrawsError(UnsupportedModelError):
+    """A graph with random operators ONNX Runtime seeds once per session (`RandomNormalLike`
+    from `randn_like`, `Bernoulli`, ...) would be run again for the same call (activation
+    checkpointing, a recomputing forward): the rerun would draw other numbers than the run it
+    replays, where eager's replays the same, so the gradients would be of another draw."""
+
+    reason = "random operators a rerun cannot repeat"
+    known_limitation = True

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ort_autopatch.engine.backend import RunHooks
-from ort_autopatch.engine.errors import ExecutionError
+from ort_autopatch.engine.errors import ExecutionError, UnrepeatableDrawsError
 
 Grads = Sequence[torch.Tensor | None]
 
@@ -33,6 +33,12 @@ class DifferentiableGraph(Protocol):
     @property
     def hooks(self) -> RunHooks:
         """Told of a failed backward."""
+        ...
+
+    @property
+    def redraws(self) -> bool:
+        """Its forward has random operators seeded per session (`random_ops.per_session`),
+        which no seed given to a run repeats."""
         ...
 
     def forward(self, ctx: Any, feeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -114,6 +120,7 @@ _C_APPLY: dict[type[torch.autograd.Function], Any] = {
     for function in (GraphFunction, RecomputingGraphFunction)
 }
 _UNWRAP_IF_DEAD = torch._C._functorch.unwrap_if_dead
+_SAVED_TENSOR_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
 _TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
 
 
@@ -121,7 +128,22 @@ def apply(
     graph: DifferentiableGraph, feeds: Sequence[torch.Tensor], recompute: bool = False
 ) -> tuple[torch.Tensor, ...]:
     """One training call through autograd: `GraphFunction.apply(graph, *feeds)`, or the
-    recomputing variant, without Function.apply's Python layer."""
+    recomputing variant, without Function.apply's Python layer.
+
+    A graph whose draws no run can repeat (`redraws`) is refused, before anything runs, where
+    its forward would run again for this call: in the recomputing variant, and under
+    saved-tensor hooks (activation checkpointing reruns the whole call in backward, as eager
+    does with its generators restored)."""
+    if graph.redraws and (recompute or _SAVED_TENSOR_HOOKS(False) is not None):
+        why = "a recomputing forward" if recompute else "activation checkpointing"
+        raise UnrepeatableDrawsError(
+            graph.hooks.module_class,
+            f"its graph draws from random operators ONNX Runtime seeds once per session, "
+            f"and {why} would run it again for this call and draw other numbers than the "
+            "first run",
+            "It runs in PyTorch, which replays its draws; dropout (nn.Dropout, feature "
+            "dropout) is seeded per run and replays in ONNX Runtime",
+        )
     function = RecomputingGraphFunction if recompute else GraphFunction
     if _TRANSFORMS_ACTIVE():
         outputs: tuple[torch.Tensor, ...] = function.apply(graph, *feeds)

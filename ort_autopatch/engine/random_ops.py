@@ -10,6 +10,9 @@ missing one costs wrong numbers, so the ATen rule matches by words in the name.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 #: ONNX operators that read ORT's global generator at every run (`Dropout` only when given a
 #: `training_mode` input; ORT's own fused variants always).
 ONNX_PER_RUN = frozenset({"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"})
@@ -59,3 +62,32 @@ def aten(name: str) -> bool:
     if name in _ATEN_ALSO:
         return True
     return name not in _ATEN_NOT and any(word in name for word in _ATEN_WORDS)
+
+
+def bodies(model: Any) -> Iterator[Any]:
+    """Every list of nodes of an ONNX model that runs: the graph's, each local function's
+    (torchlib writes some ATen operators as functions, their random draws inside), and the
+    subgraphs of control-flow nodes (If, Loop, Scan) in any of them."""
+    graph = getattr(model, "graph", model)
+    pending = [graph.node, *(f.node for f in getattr(model, "functions", ()))]
+    while pending:
+        nodes = pending.pop()
+        yield nodes
+        for node in nodes:
+            for attribute in node.attribute:
+                if attribute.HasField("g"):
+                    pending.append(attribute.g.node)
+                pending.extend(g.node for g in attribute.graphs)
+
+
+def nodes(model: Any) -> Iterator[Any]:
+    """Every node of an ONNX model, the bodies of its functions and subgraphs included."""
+    for body in bodies(model):
+        yield from body
+
+
+def per_session(model: Any) -> list[str]:
+    """The operators of an ONNX model that draw from a generator ORT seeds once per session
+    (`ONNX_PER_SESSION`: torchlib's `rand_like`, `randn_like`, `bernoulli`, `normal`): a run
+    cannot be seeded, so running the graph again never draws the same numbers."""
+    return sorted({n.op_type for n in nodes(model) if n.op_type in ONNX_PER_SESSION})

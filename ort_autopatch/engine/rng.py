@@ -31,12 +31,12 @@ _position: dict[str, tuple[bytes, int]] = {}
 
 def draws_per_run(model: Any) -> bool:
     """Whether a run of this model reads ORT's global generator (a `Dropout` given a
-    `training_mode` input), so each run must be seeded first."""
-    graph = getattr(model, "graph", model)
+    `training_mode` input, at the top level or inside a local function), so each run must
+    be seeded first."""
     return any(
         node.op_type in random_ops.ONNX_PER_RUN
         and (node.op_type != "Dropout" or len(node.input) >= 3)
-        for node in graph.node
+        for node in random_ops.nodes(model)  # local functions' bodies too
     )
 
 

@@ -81,17 +81,20 @@ class Verification:
 
 
 def random_ops(model: Any) -> list[str]:
-    """Operators of an ONNX model that draw random numbers (dropout with a ratio of 0 does not)."""
-    constants = {
-        out: node for node in model.graph.node if node.op_type == "Constant" for out in node.output
-    }
+    """Operators of an ONNX model that draw random numbers (dropout with a ratio of 0 does
+    not), at the top level or inside its local functions and subgraphs."""
+    from ort_autopatch.engine import random_ops as draws
+
     found = set()
-    for node in model.graph.node:
-        if node.op_type not in RANDOM_ONNX_OPS:
-            continue
-        if node.op_type == "Dropout" and _zero_ratio(node, constants):
-            continue
-        found.add(node.op_type)
+    for body in draws.bodies(model):
+        # a ratio is a constant of the same body (a function's names are its own)
+        constants = {out: n for n in body if n.op_type == "Constant" for out in n.output}
+        for node in body:
+            if node.op_type not in RANDOM_ONNX_OPS:
+                continue
+            if node.op_type == "Dropout" and _zero_ratio(node, constants):
+                continue
+            found.add(node.op_type)
     return sorted(found)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import dlpack, graph_function, rng, session
+from ort_autopatch.engine import dlpack, graph_function, random_ops, rng, session
 from ort_autopatch.engine.backend import RunHooks
 from ort_autopatch.engine.backends.ort import lowering
 from ort_autopatch.engine.backends.ort.aliasing import Replay
@@ -326,6 +326,17 @@ class OrtProgram:
     non_differentiable: frozenset[int]
 
     torch_nodes: dict[str, int] = field(default_factory=dict)  # none: no torch-calling node
+
+    @property
+    def redraws(self) -> bool:
+        random = self.lowered.random_operators
+        if random is None:  # lowered before it was recorded
+            import onnx
+
+            from ort_autopatch.engine import verify
+
+            random = verify.random_ops(onnx.load_from_string(self.lowered.forward))
+        return not random_ops.ONNX_PER_SESSION.isdisjoint(random)
 
     @property
     def cls(self) -> str:

@@ -31,6 +31,7 @@ from ort_autopatch.engine import (
     dlpack,
     graph_function,
     hazards,
+    random_ops,
     rng,
     runtime,
     session,
@@ -640,7 +641,8 @@ def _effects(recipe: Recipe, state: ModuleState) -> RunEffects:
         bn = state.module_named(name)
         if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
             batch_norms.append(BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
-    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout)
+    redraws = bool(random_ops.per_session(graph.load(recipe.forward_model)))
+    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout, redraws)
 
 
 def _kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:

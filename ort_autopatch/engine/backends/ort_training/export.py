@@ -35,7 +35,13 @@ import torch
 
 from ort_autopatch.engine import budget, calls, chatter, hazards
 from ort_autopatch.engine.calls import EXPORT_LOCK, BufferUpdates, CallSpec, OutputSpec
-from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
+from ort_autopatch.engine.errors import (
+    BuildOverBudget,
+    ExportError,
+    InputWriteError,
+    OutputAliasError,
+    UnsupportedModelError,
+)
 
 log = logging.getLogger("ort_autopatch")
 
@@ -60,6 +66,15 @@ class _OutputIdentity(torch.autograd.Function):
         return g.op("Identity", x)
 
 
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's memory starts; 0 for one without storage of its own (a functorch
+    wrapper: the transform's own path takes such a call)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (NotImplementedError, RuntimeError):
+        return 0
+
+
 class _FlatModule(torch.nn.Module):
     """Takes and returns flat tensor tuples around the user's module (registered as `m`)."""
 
@@ -73,6 +88,40 @@ class _FlatModule(torch.nn.Module):
         self.output_spec: OutputSpec | None = None
         self.checks: list[hazards.Check] = []
         self.with_checks = True  # a static export has nothing to check
+
+    def _refuse_what_a_graph_gets_wrong(
+        self, result: Any, inputs: list[tuple[torch.Tensor, int]]
+    ) -> None:
+        """The training build's graph takes its inputs by value and returns fresh tensors.
+        A write into an input would never reach the caller's tensor, and an output sharing
+        memory with an input, a parameter or a buffer would come back as a copy that a later
+        write (through the output, into the input, an optimizer step) leaves stale: both
+        give values other than eager's, so such a call is refused."""
+        cls = type(self.m).__qualname__
+        written = [k for k, (t, version) in enumerate(inputs) if t._version != version]
+        if written:
+            raise InputWriteError(
+                cls,
+                f"forward writes into its input tensor(s) {written} in place, which the "
+                "training build's graph cannot write back into the caller's tensors",
+                "It runs in PyTorch; the plain backend (--backend ort) applies such writes, "
+                "or write into a copy inside forward",
+            )
+        owners = {_storage(t): f"input {k}" for k, (t, _) in enumerate(inputs)}
+        for name, t in (*self.m.named_parameters(), *self.m.named_buffers()):
+            owners.setdefault(_storage(t), name)
+        owners.pop(0, None)  # tensors without storage share nothing
+        _, outputs = OutputSpec.of(result)
+        for k, out in enumerate(outputs):
+            owner = owners.get(_storage(out))
+            if owner is not None:
+                raise OutputAliasError(
+                    cls,
+                    f"output {k} shares memory with {owner} (a view of it, or it itself), "
+                    "which the training build returns as a copy",
+                    "It runs in PyTorch; the plain backend (--backend ort) returns such "
+                    "outputs as views, or return a copy (.clone()) from forward",
+                )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The exporter finds parameters through `state_dict()`: the user's state_dict hooks
@@ -91,7 +140,9 @@ class _FlatModule(torch.nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._call_spec.rebuild(tensors)
         before = calls.buffer_versions(self.m)
+        inputs = [(t, t._version) for t in tensors]
         result = self._forward(*args, **kwargs)
+        self._refuse_what_a_graph_gets_wrong(result, inputs)
         updated = {
             name: buffer for name, (buffer, version) in before.items() if buffer._version != version
         }
@@ -279,7 +330,7 @@ def _export_once(
         ):
             torch.onnx.export(
                 wrapper,
-                tuple(t.detach() for t in tensors),
+                _trace_inputs(tensors),
                 buffer,  # type: ignore[arg-type]  # BytesIO is accepted at run time
                 dynamo=False,
                 opset_version=opset,
@@ -331,6 +382,14 @@ def _export_once(
         findings=found,
         checks=wrapper.checks,
     )
+
+
+def _trace_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Copies of the call's tensors for the trace: a forward writing into its inputs must not
+    write the caller's tensors (it is refused, and eager then writes them once). Normal
+    tensors, also under inference mode, so that the copies count their writes."""
+    with torch.inference_mode(False):
+        return tuple(t.detach().clone() for t in tensors)
 
 
 _quiet_lock = threading.Lock()

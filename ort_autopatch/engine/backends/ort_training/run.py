@@ -58,6 +58,7 @@ class RunEffects:
     num_user_outputs: int
     batch_norms: list[BatchNormUpdate]
     seeds_dropout: bool
+    redraws: bool = False  # random operators seeded per session (`random_ops.per_session`)
 
     def undo_point(self) -> Callable[[], None]:
         """The RNG state and BatchNorm statistics now; the result puts them back."""
@@ -131,6 +132,10 @@ class TrainingGraph:
     effects: RunEffects
     hooks: RunHooks
     kept: dlpack.KeptValues | None = None
+
+    @property
+    def redraws(self) -> bool:
+        return self.effects.redraws
 
     def forward(self, ctx: Any, feeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         program = self.program

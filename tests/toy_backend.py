@@ -50,6 +50,7 @@ class ToyProgram:
         self.recipe = recipe
         self.inputs = [n for n in feed_names if recipe.feed_sources[n][0] == "input"]
         self.hooks = RunHooks(NAME)
+        self.redraws = False  # torch's own generators: a rerun can replay them
         self.torch_nodes: dict[str, int] = {}
         self.saved_graphs: dict[str, bytes] = {}
 

@@ -51,7 +51,6 @@ _STATIC_GRAPH_FAILURES = (GradientBuildError, SessionError)
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
-
 def _default_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module.forward(*args, **kwargs)
 

@@ -149,6 +149,7 @@ def meta_of(recipe: Recipe) -> dict[str, Any] | None:
         "output_positions": spec.tensor_positions,
         "batch_norms": [list(b) for b in recipe.batch_norms],
         "seeds_dropout": recipe.seeds_dropout,
+        "redraws": recipe.redraws,
         "checks": [
             {
                 "expected": c.expected,
@@ -187,6 +188,7 @@ def recipe_from(stored: StoredEntry, cls: str, backend: type[Backend]) -> Recipe
             output_spec=spec,
             batch_norms=[(str(b[0]), int(b[1]), int(b[2])) for b in meta["batch_norms"]],
             seeds_dropout=bool(meta["seeds_dropout"]),
+            redraws=bool(meta.get("redraws", True)),  # unknown: assume it cannot repeat
             checks=[
                 hazards.Check(c["expected"], hazards.Hazard(c["kind"], c["what"], c["where"]))
                 for c in meta.get("checks", [])

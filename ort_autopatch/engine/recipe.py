@@ -92,6 +92,9 @@ class Recipe:
     output_spec: calls.OutputSpec
     batch_norms: list[tuple[str, int, int]]  # module name, mean output, variance output
     seeds_dropout: bool
+    #: the forward graph draws from random operators ORT seeds once per session
+    #: (`random_ops.per_session`): no run can repeat another's draws
+    redraws: bool = False
     torch_nodes: dict[str, int] = field(default_factory=dict)  # label -> nodes calling torch
     checks: list[hazards.Check] = field(default_factory=list)  # the last user outputs
     traced_shapes: tuple[tuple[int, ...], ...] | None = None  # the example's input shapes

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import calls, runtime, session, tracing
+from ort_autopatch.engine import calls, random_ops, runtime, session, tracing
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
@@ -68,6 +68,18 @@ class OrtPayload:
     def meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = self.lowered.meta()
         return meta
+
+
+def _redraws(lowered: Any) -> bool:
+    """Whether the lowered forward draws from random operators ORT seeds once per session."""
+    random = lowered.random_operators
+    if random is None:  # not recorded when it was lowered: read from the graph
+        import onnx
+
+        from ort_autopatch.engine import verify
+
+        random = verify.random_ops(onnx.load_from_string(lowered.forward))
+    return not random_ops.ONNX_PER_SESSION.isdisjoint(random)
 
 
 def _first_names(miss: Miss) -> dict[str, str]:
@@ -170,6 +182,7 @@ class OrtBackend(Backend):
             output_spec=captured.output_spec,
             batch_norms=[],
             seeds_dropout=False,
+            redraws=_redraws(lowered),
             traced_shapes=call.shapes(),
             size_guards=guards,
         )
@@ -305,7 +318,9 @@ class OrtBackend(Backend):
         assert isinstance(payload, OrtPayload), f"a {recipe.backend} recipe"
         # its feeds are the forward graph's inputs in order (a stored recipe's feed_sources
         # may come back in another order)
-        runnable = program.instantiate(payload.lowered, hooks, miss.device, settings)
+        runnable = program.instantiate(
+            payload.lowered, hooks, miss.device, settings, recipe.redraws
+        )
         # A stored graph is not checked again: these very bytes passed the check when they
         # were built, for a call of the same key (class sources, dtypes, sizes its guards
         # admit, tool, torch and ORT versions); a check of a later call would compare the same

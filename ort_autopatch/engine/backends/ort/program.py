@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import dlpack, graph_function, random_ops, rng, session
+from ort_autopatch.engine import dlpack, graph_function, rng, session
 from ort_autopatch.engine.backend import RunHooks
 from ort_autopatch.engine.backends.ort import lowering
 from ort_autopatch.engine.backends.ort.aliasing import Replay
@@ -326,17 +326,8 @@ class OrtProgram:
     non_differentiable: frozenset[int]
 
     torch_nodes: dict[str, int] = field(default_factory=dict)  # none: no torch-calling node
-
-    @property
-    def redraws(self) -> bool:
-        random = self.lowered.random_operators
-        if random is None:  # lowered before it was recorded
-            import onnx
-
-            from ort_autopatch.engine import verify
-
-            random = verify.random_ops(onnx.load_from_string(self.lowered.forward))
-        return not random_ops.ONNX_PER_SESSION.isdisjoint(random)
+    #: forward draws from random operators seeded once per session (`Recipe.redraws`)
+    redraws: bool = False
 
     @property
     def cls(self) -> str:
@@ -481,9 +472,14 @@ def _finish(lowered: Lowered, feeds: Sequence[torch.Tensor], slots: list[Any]) -
 
 
 def instantiate(
-    lowered: Lowered, hooks: RunHooks, device: torch.device, settings: session.SessionSettings
+    lowered: Lowered,
+    hooks: RunHooks,
+    device: torch.device,
+    settings: session.SessionSettings,
+    redraws: bool = False,
 ) -> OrtProgram:
-    """Sessions for both graphs."""
+    """Sessions for both graphs (`redraws`: forward draws what no run can repeat,
+    `Recipe.redraws`)."""
     cls = hooks.module_class
     dlpack.use_inference_dlpack()
     facts = lowered.facts
@@ -516,6 +512,7 @@ def instantiate(
     first_write = len(lowered.user_outputs) + len(lowered.bases)
     return OrtProgram(
         hooks=hooks,
+        redraws=redraws,
         feed_names=facts["forward"].inputs,
         lowered=lowered,
         forward_session=forward,

@@ -473,6 +473,7 @@ class OrtTrainingBackend(Backend):
             output_spec=exported.output_spec,
             batch_norms=batch_norms,
             seeds_dropout=rng.draws_per_run(model),
+            redraws=bool(random_ops.per_session(model)),
             torch_nodes=nodes.Inventory.of(model).counts,
             checks=exported.checks,
             traced_shapes=call.shapes(),
@@ -641,8 +642,7 @@ def _effects(recipe: Recipe, state: ModuleState) -> RunEffects:
         bn = state.module_named(name)
         if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
             batch_norms.append(BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
-    redraws = bool(random_ops.per_session(graph.load(recipe.forward_model)))
-    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout, redraws)
+    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout, recipe.redraws)
 
 
 def _kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:

@@ -39,3 +39,19 @@ def test_the_cache_version_changes_with_the_declared_passes(
     assert derive() == before
     monkeypatch.setattr(passes, "FORWARD", passes.FORWARD[1:])
     assert derive() != before
+
+
+def test_the_training_builds_cache_version_covers_the_exporters_sources(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Besides the passes, what the TorchScript export writes decides the stored graphs: its
+    call protocol, the extra symbolics and the routing of operators to torch."""
+    from ort_autopatch.engine.backends.ort_training import backend
+
+    derive = backend._graph_version.__wrapped__
+    before = derive()
+    assert set(backend._EXPORT_SOURCES) >= {"export.py", "symbolics.py"}
+    for dropped in backend._EXPORT_SOURCES:
+        kept = tuple(n for n in backend._EXPORT_SOURCES if n != dropped)
+        monkeypatch.setattr(backend, "_EXPORT_SOURCES", kept)
+        assert derive() != before, dropped

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
+import hashlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -239,7 +241,7 @@ class OrtTrainingBackend(Backend):
 
     @staticmethod
     def graph_version() -> str:
-        return passes.version()
+        return _graph_version()
 
     @staticmethod
     def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> OrtTrainingPayload:
@@ -627,6 +629,22 @@ def _refuse_untrainable(cls: str, miss: Miss) -> None:
             found.setdefault(dtype, []).append(name)
     if found:
         raise agent.untrainable(cls, found)
+
+
+#: besides the declared passes (`passes.version`): the sources that decide what the exporter
+#: writes (its call protocol, the extra symbolics, which operators become torch-calling nodes)
+_EXPORT_SOURCES = ("export.py", "symbolics.py", "torch_in_graph/routing.py")
+
+
+@functools.cache
+def _graph_version() -> str:
+    """The passes' declared order and source, and the exporter's sources (read as files): a
+    change to any of them gives the persistent cache new keys."""
+    digest = hashlib.sha256(passes.version().encode())
+    package = Path(__file__).resolve().parent
+    for name in _EXPORT_SOURCES:
+        digest.update((package / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _payload(recipe: Recipe) -> OrtTrainingPayload:

@@ -385,7 +385,9 @@ def test_an_operator_without_onnx_form_is_an_export_error_naming_it() -> None:
 
 
 def _first_call(plain: PlainCall, *inputs: torch.Tensor) -> object:
-    from ort_autopatch.engine.backends.ort import check
+    """What the engine's first-call check does (`build.Builder._check_first_call`):
+    `verify.verify_call` of the graph against eager, here on a bare program."""
+    from ort_autopatch.engine import verify
 
     def run_graph(tensors: list[torch.Tensor]) -> torch.Tensor:
         out: torch.Tensor = plain(*tensors)
@@ -395,8 +397,9 @@ def _first_call(plain: PlainCall, *inputs: torch.Tensor) -> object:
         out: torch.Tensor = plain.module(*tensors)
         return out
 
-    return check.first_call(
-        "M", plain.module, plain.program, run_graph, run_eager, list(inputs), grad=True
+    trainable = [p for p in plain.module.parameters() if p.requires_grad]
+    return verify.verify_call(
+        "M", plain.module, run_graph, run_eager, list(inputs), trainable, grad=True
     )
 
 
@@ -452,10 +455,12 @@ def test_the_first_call_check_refuses_a_graph_that_differs_from_eager(
 
 
 def test_the_first_call_check_names_random_operators_it_cannot_compare() -> None:
+    from ort_autopatch.engine import EngineOptions, ModuleEngine
+
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
-    x = torch.randn(3, 4)
-    result = _first_call(PlainCall(model, x), x)
-    assert getattr(result, "unverified", None) == "random operators (Dropout)"
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1))
+    assert ran_in_plain_ort(engine(torch.randn(3, 4)))
+    assert [v.unverified for v in engine.verifications] == ["random operators (Dropout)"]
 
 
 def test_dropout_between_layers_drops_in_a_call_without_gradients() -> None:
@@ -617,7 +622,6 @@ def test_an_lstm_trains_like_eager_through_its_generic_kernels() -> None:
 def test_a_layer_drop_at_zero_leaves_no_draw_in_the_graphs_so_the_first_call_is_checked() -> None:
     """`torch.rand([]) < 0.0` is False for every draw: the trace takes eager's branch and
     the draw, read by nothing else, is not an operator of either graph."""
-    from ort_autopatch.engine.backends.ort import check
 
     class LayerDrop(nn.Module):
         def __init__(self) -> None:
@@ -637,7 +641,7 @@ def test_a_layer_drop_at_zero_leaves_no_draw_in_the_graphs_so_the_first_call_is_
     graphs = (plain.captured.forward.graph, plain.captured.backward.graph)
     targets = {str(node.target) for graph in graphs for node in graph.nodes}
     assert not any("rand" in target for target in targets), targets
-    assert check.random_operators(plain.program) == []
+    assert plain.program.lowered.random_operators == []
 
 
 def test_a_module_reached_by_two_paths_keeps_its_weight_after_the_trace() -> None:

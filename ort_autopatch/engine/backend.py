@@ -204,6 +204,10 @@ class Backend(ABC):
     #: `EngineOptions` fields this backend does not take: setting one is said once, never
     #: silently ignored
     ignores: ClassVar[tuple[str, ...]] = ()
+    #: the call that builds a graph (not one loaded from the persistent cache) also runs
+    #: eagerly and the two are compared (`verify.verify_entry`) before the graph is trusted;
+    #: counted in the report's verifications like `--verify`'s
+    verifies_first_call: ClassVar[bool] = False
 
     def __init__(self, module_class: str, options: EngineOptions, forward: Forward) -> None:
         self.module_class = module_class
@@ -219,6 +223,11 @@ class Backend(ABC):
         """What decides this backend's graphs besides the tool's, torch's and ONNX Runtime's
         versions (its passes, its sources, the exporter's packages): part of every persistent
         cache key. Cheap: a cache hit calls it before anything else is loaded."""
+
+    def random_operators(self, recipe: Recipe) -> list[str] | None:
+        """The forward graph's random operators, when the backend knows them without
+        reading the graph (None: `verify` reads it); a graph that draws is not compared."""
+        return None
 
     def found(self, found: Sequence[hazards.Hazard]) -> None:
         """Keep the hazards a trace found, each once, for the report."""

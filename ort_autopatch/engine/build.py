@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import budget, session
+from ort_autopatch.engine import budget, session, verify
 from ort_autopatch.engine.backend import Backend, RunHooks
 from ort_autopatch.engine.callkey import KeyMaker, Shapes
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
     AutocastUnsupportedError,
+    EngineError,
     ExecutionError,
     SessionError,
     UnsupportedModelError,
@@ -66,6 +67,8 @@ class Builder:
         self._persistence = persistence
         self.settings = settings
         self.records: list[BuildRecord] = []
+        #: comparisons with eager: first calls (`Backend.verifies_first_call`) and --verify's
+        self.verifications: list[verify.Verification] = []
         self.learned = Learned()  # what the last build found (`build`)
         self._arena_shapes: tuple[tuple[int, ...], ...] | None = None  # see `_uses_arena`
 
@@ -124,6 +127,11 @@ class Builder:
             budget.check("before creating its ONNX Runtime session")
             progress.phase = "session"
             entry = self._instantiate(recipe, miss, progress)
+            if self.backend.verifies_first_call:
+                # A stored graph is not checked again: these very bytes passed when they were
+                # built, for a call of the same key; `--verify N` still compares.
+                progress.phase = "checking the first call against eager"
+                self._check_first_call(entry, miss)
             self._record(
                 reason, export_seconds, time.perf_counter() - start - export_seconds, entry
             )
@@ -142,6 +150,37 @@ class Builder:
             base_key=persisted,
         )
         return entry
+
+    def _check_first_call(self, entry: Entry, miss: Miss) -> None:
+        """The call that built the graph, through the graph and eagerly (`verify`); raises
+        `verify.VerificationError` when they differ beyond eager's own spread."""
+        random = self.backend.random_operators(entry.recipe)
+        try:
+            result = verify.verify_entry(
+                self._cls,
+                miss.module,
+                entry,
+                miss.state,
+                miss.call,
+                miss.grad,
+                self.backend.forward,
+                random,
+            )
+        except verify.VerificationError as exc:
+            if exc.verification is not None:
+                self.verifications.append(exc.verification)
+            raise
+        except EngineError:
+            raise  # the graph's own failure: the caller's fallback policy takes the call
+        except Exception as exc:
+            # the comparison itself failed (eager raised on the copies): the graph is used,
+            # and the report says why it was not verified
+            why = f"verification failed: {type(exc).__name__}: {exc}"
+            log.warning(
+                "%s: the first call's check against eager could not be made (%s)", self._cls, why
+            )
+            result = verify.Verification(unverified=why)
+        self.verifications.append(result)
 
     def _persistent_key(self, miss: Miss, shapes: Shapes | None = None) -> str | None:
         """The on-disk key of the graph built for `miss` (for `shapes`, when the build found

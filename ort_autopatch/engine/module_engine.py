@@ -90,7 +90,6 @@ class ModuleEngine:
         self._keys = KeyMaker(self._state, guards)
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
-        self.verifications: list[verify.Verification] = []  # --verify's comparisons
         self._verified: dict[CallKey, int] = {}  # key -> calls verified
         # (grad mode, train flag, autocast state) -> key last used
         self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
@@ -116,6 +115,8 @@ class ModuleEngine:
             self._on_backward_failure,
         )
         self.records: list[BuildRecord] = self._builder.records
+        # comparisons with eager: the backend's first-call checks and --verify's
+        self.verifications: list[verify.Verification] = self._builder.verifications
         self.hazards: list[hazards.Hazard] = self._backend.hazards  # trace hazards found
 
     @property
@@ -251,6 +252,7 @@ class ModuleEngine:
             self._keys.note(
                 f"input shape repeated {self._shapes.hot.after} calls: a static-shape graph for it"
             )
+        checked = len(self.verifications)
         try:
             key, entry = self._entry(module, state, call, grad, requires, hot, autocast)
         except EngineError as exc:
@@ -268,7 +270,11 @@ class ModuleEngine:
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
             self._shapes.hot.refuse(mode, hot)
             key, entry = self._entry(module, state, call, grad, requires, None, autocast)
-        if self.options.verify and self._verified.get(key, 0) < self.options.verify:
+        if len(self.verifications) > checked:
+            # the build compared this very call with eager (`Backend.verifies_first_call`):
+            # one of the key's --verify calls, not run twice
+            self._verified[key] = self._verified.get(key, 0) + 1
+        elif self.options.verify and self._verified.get(key, 0) < self.options.verify:
             self._verified[key] = self._verified.get(key, 0) + 1
             self._verify(module, entry, state, call, grad, key)
         self._keys.used(key)

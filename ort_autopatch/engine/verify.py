@@ -455,14 +455,17 @@ def verify_entry(
     call: FlatCall,
     grad: bool,
     forward: Callable[..., Any],
+    random: list[str] | None = None,
 ) -> Verification:
     """`verify_call` for one call of a cached graph (`forward(module, *args, **kwargs)` is the
-    eager side); a graph with random operators is reported as not verified."""
-    import onnx
+    eager side); a graph with random operators (`random`, or read from the graph when None)
+    is reported as not verified."""
+    from ort_autopatch.engine import signature, tracing
 
-    from ort_autopatch.engine import signature
+    if random is None:
+        import onnx
 
-    random = random_ops(onnx.load_from_string(entry.recipe.forward_model))
+        random = random_ops(onnx.load_from_string(entry.recipe.forward_model))
     if random:
         return Verification(unverified=f"random operators ({', '.join(random)})")
     spec = call.spec()
@@ -473,8 +476,15 @@ def verify_entry(
 
     def run_eager(tensors: list[torch.Tensor]) -> Any:
         args, kwargs = spec.rebuild(tensors)
-        # selected submodules run their eager code too; its reads guard nothing
-        with calls.stepping_aside(), calls.untraced_run():
+        # selected submodules run their eager code too; its reads guard nothing. Reentrant
+        # checkpointing refuses the comparison's `autograd.grad`: the wrapped function runs as
+        # it is (the same values), as in a trace (a process-wide rebinding: under the lock)
+        with (
+            calls.EXPORT_LOCK,
+            calls.stepping_aside(),
+            calls.untraced_run(),
+            tracing.checkpoint_through_function(),
+        ):
             return forward(module, *args, **kwargs)
 
     trainable = [p for p in state.params if p.requires_grad] if grad else []

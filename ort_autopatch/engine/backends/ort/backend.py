@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import calls, random_ops, runtime, session, tracing
+from ort_autopatch.engine import random_ops, runtime, session
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
@@ -102,6 +102,8 @@ class OrtBackend(Backend):
     name: ClassVar[str] = "ort"
     #: the training build's: its opset (torchlib writes opset 18), its torch-calling nodes
     ignores: ClassVar[tuple[str, ...]] = ("opset", "torch_ops", "no_torch_ops", "compile_executor")
+    #: a graph's numbers are trusted once its first call matched eager's (`verify`)
+    verifies_first_call: ClassVar[bool] = True
 
     @staticmethod
     def graph_version() -> str:
@@ -116,6 +118,13 @@ class OrtBackend(Backend):
         from ort_autopatch.engine.backends.ort import program
 
         return OrtPayload(program.Lowered.from_stored(meta, graphs), stored=True)
+
+    def random_operators(self, recipe: Recipe) -> list[str] | None:
+        """Read when the graph was lowered (None for a stored graph: `verify` reads it)."""
+        payload = recipe.payload
+        assert isinstance(payload, OrtPayload), f"a {recipe.backend} recipe"
+        random: list[str] | None = payload.lowered.random_operators
+        return random
 
     def shape_policy(self) -> ShapePolicy:
         """Each graph says which sizes it serves (`Recipe.size_guards`)."""
@@ -321,55 +330,7 @@ class OrtBackend(Backend):
         runnable = program.instantiate(
             payload.lowered, hooks, miss.device, settings, recipe.redraws
         )
-        # A stored graph is not checked again: these very bytes passed the check when they
-        # were built, for a call of the same key (class sources, dtypes, sizes its guards
-        # admit, tool, torch and ORT versions); a check of a later call would compare the same
-        # graph on other numbers, which no call after the first gets either (in the process
-        # that built it neither). `--verify N` still compares.
-        if not payload.stored:
-            progress.phase = "checking the first call against eager"
-            self._check(recipe, runnable, miss)
         return runnable
-
-    def _check(self, recipe: Recipe, runnable: OrtProgram, miss: Miss) -> None:
-        """The call that built the graph, through the graph and eagerly (`plain.check`)."""
-        from ort_autopatch.engine.backends.ort import check
-
-        module, call = miss.module, miss.call
-        spec = call.spec()
-        state = miss.state
-        forward = self.forward
-
-        def feeds_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [
-                tensors[int(where)] if kind == "input" else state.tensors[state.index[where]]
-                for kind, where in map(recipe.feed_sources.__getitem__, runnable.feed_names)
-            ]
-
-        def run_graph(tensors: list[torch.Tensor]) -> Any:
-            return recipe.output_spec.rebuild(runnable.run(feeds_of(tensors), False))
-
-        def run_eager(tensors: list[torch.Tensor]) -> Any:
-            # reentrant checkpointing refuses the check's `autograd.grad`: the wrapped
-            # function runs as it is (the same values), as in the trace
-            args, kwargs = spec.rebuild(tensors)
-            with (
-                calls.EXPORT_LOCK,
-                calls.stepping_aside(),
-                calls.untraced_run(),  # its reads guard nothing
-                tracing.checkpoint_through_function(),
-            ):
-                return forward(module, *args, **kwargs)
-
-        self.last_check = check.first_call(
-            self.module_class,
-            module,
-            runnable,
-            run_graph,
-            run_eager,
-            call.tensors,
-            miss.grad,
-        )
 
 
 #: shared engine modules whose code shapes this backend's graphs, besides its own package

@@ -477,19 +477,6 @@ def _check_selection(config: Config, row: Callable[..., str]) -> list[str]:
     return lines
 
 
-def _executor_status(config: Config) -> str:
-    """Compile the ATen executor now, if it is not cached, so that no training run starts
-    without it (a run would build it in the background, its first graphs without it)."""
-    if not config.compile_executor:
-        return "off (--no-compile-executor): gradient nodes call torch through Python"
-    from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
-
-    try:
-        return f"ready ({aten_executor.build(aten_executor.default_folder())})"
-    except Exception as exc:  # the training still runs, through Python: not a problem
-        return f"cannot be built, gradient nodes call torch through Python: {str(exc)[-300:]}"
-
-
 def _torch_cuda() -> str | None:
     """The CUDA version torch is built for (None: a CPU build, or torch does not import)."""
     try:
@@ -561,8 +548,12 @@ def check(config: Config) -> tuple[str, bool]:
             said, is_problem = pairing
             (problems if is_problem else notes).append(said)
     ok = not problems
-    if ok and backend == "ort-training":
-        lines.append(row("ATen executor", _executor_status(config)))
+    if ok:  # the chosen backend's own lines (the training build: its ATen executor)
+        from ort_autopatch.engine.recipe import EngineOptions
+
+        options = EngineOptions(**config.engine_values())
+        for label, status in backend_registry.backend_class(backend).doctor(options):
+            lines.append(row(label, status))
     lines.append(row("accelerate", "yes" if ok else "no"))
     lines.extend(f"  problem: {p}" for p in problems)
     lines.extend(f"  note: {n}" for n in notes)

@@ -224,6 +224,12 @@ class Backend(ABC):
         versions (its passes, its sources, the exporter's packages): part of every persistent
         cache key. Cheap: a cache hit calls it before anything else is loaded."""
 
+    @classmethod
+    def doctor(cls, options: EngineOptions) -> list[tuple[str, str]]:
+        """`--check`'s lines of this backend's own (label, status), made ready now where a
+        run would otherwise wait or start without it."""
+        return []
+
     def random_operators(self, recipe: Recipe) -> list[str] | None:
         """The forward graph's random operators, when the backend knows them without
         reading the graph (None: `verify` reads it); a graph that draws is not compared."""

@@ -55,7 +55,7 @@ from ort_autopatch.engine.errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from ort_autopatch.engine.recipe import Miss, Recipe
+from ort_autopatch.engine.recipe import EngineOptions, Miss, Recipe
 from ort_autopatch.engine.shape_policy import DynamicGraphs, ShapePolicy
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
@@ -220,6 +220,22 @@ class OrtTrainingBackend(Backend):
         super().__init__(*args, **kwargs)
         # operators learned to need torch-calling nodes, so later exports start with them
         self._routed: frozenset[str] = frozenset(self.options.torch_ops)
+
+    @classmethod
+    def doctor(cls, options: EngineOptions) -> list[tuple[str, str]]:
+        """The ATen executor, compiled now if it is not cached, so that no training run starts
+        without it (a run would build it in the background, its first graphs without it)."""
+        if not options.compile_executor:
+            status = "off (--no-compile-executor): gradient nodes call torch through Python"
+            return [("ATen executor", status)]
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
+
+        try:
+            status = f"ready ({aten_executor.build(aten_executor.default_folder())})"
+        except Exception as exc:  # the training still runs, through Python: not a problem
+            why = str(exc)[-300:]
+            status = f"cannot be built, gradient nodes call torch through Python: {why}"
+        return [("ATen executor", status)]
 
     def shape_policy(self) -> ShapePolicy:
         """One graph with dynamic axes; static-shape graphs for the first shape of a mode and

@@ -143,7 +143,7 @@ class ToyBackend(Backend):
         payload.call_spec = miss.call.spec()  # type: ignore[attr-defined]
         recipe = Recipe(
             backend=self.name,
-            has_backward=miss.grad,
+            has_backward=miss.has_backward,
             forward_model=b"",
             payload=payload,
             feed_sources={**inputs, **{n: ("state", n) for n in miss.state.names}},

@@ -162,7 +162,7 @@ class Builder:
                 entry,
                 miss.state,
                 miss.call,
-                miss.grad,
+                miss.has_backward,
                 self.backend.forward,
                 random,
             )
@@ -187,9 +187,11 @@ class Builder:
         it serves only those)."""
         if not self._persistence.enabled:
             return None
-        requires = miss.state.requires_grad_flags() if miss.grad else []
+        requires = miss.state.requires_grad_flags() if miss.has_backward else []
         shapes = miss.shapes if shapes is None else shapes
-        key = self._keys.key(miss.grad, miss.call.signature, shapes, requires, miss.autocast)
+        key = self._keys.key(
+            miss.has_backward, miss.call.signature, shapes, requires, miss.autocast
+        )
         return self._persistence.key(miss.module, miss.state, key, miss.device)
 
     def _record(

@@ -25,7 +25,7 @@ from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.state import ModuleState
 
 #: The guards in the order a miss is explained: the first that differs names the reason.
-GUARDS = ("training", "grad", "autocast", "requires_grad", "inputs", "attributes", "shapes")
+GUARDS = ("training", "has_backward", "autocast", "requires_grad", "inputs", "attributes", "shapes")
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -50,7 +50,7 @@ class Guards(Protocol):
 class CallKey:
     """Everything a graph depends on besides the tensors it is fed."""
 
-    grad: bool  # a training graph (forward + backward) or an inference graph
+    has_backward: bool  # a training graph (forward + backward) or an inference graph
     training: tuple[bool, ...]  # the train flag of the root and of every submodule
     requires_grad: tuple[bool, ...]  # which parameters require grad (training graphs only)
     inputs: Hashable  # the input signature; sizes are dynamic dimensions
@@ -61,7 +61,13 @@ class CallKey:
 
     def __post_init__(self) -> None:
         # Hashed once: a key lives as long as its graph and is looked up on every call.
-        fields = (self.grad, self.training, self.requires_grad, self.inputs, self.attributes)
+        fields = (
+            self.has_backward,
+            self.training,
+            self.requires_grad,
+            self.inputs,
+            self.attributes,
+        )
         object.__setattr__(self, "_hash", hash((*fields, self.shapes, self.autocast)))
 
     def __hash__(self) -> int:
@@ -70,7 +76,7 @@ class CallKey:
     @property
     def mode(self) -> tuple[bool, tuple[bool, ...]]:
         """Gradient mode and train flags: a key's neighbours for explaining a miss."""
-        return self.grad, self.training
+        return self.has_backward, self.training
 
     def diff(self, before: CallKey | None, labels: Sequence[str] = ()) -> str | None:
         """Why this key misses where `before` (the last key used) would not have: the exact
@@ -86,7 +92,7 @@ class CallKey:
         """The part of the key the persistent graph cache hashes (the attribute values are
         stored by path beside it, so a graph loaded from disk still guards them)."""
         return {
-            "grad": self.grad,
+            "has_backward": self.has_backward,
             "training": list(self.training),
             "requires_grad": list(self.requires_grad),
             "signature": repr(self.inputs),
@@ -131,7 +137,7 @@ class KeyMaker:
         if recent is not None:
             key, recent_training, recent_requires = recent
             if (
-                key.grad is grad
+                key.has_backward is grad
                 and key.attributes is attributes
                 and training == recent_training
                 and requires == recent_requires
@@ -197,7 +203,7 @@ def _attributes(new: CallKey, old: CallKey, labels: Sequence[str]) -> str:
 
 _REASONS = {
     "training": lambda new, old, labels: "train/eval mode changed",
-    "grad": lambda new, old, labels: "gradient mode changed",
+    "has_backward": lambda new, old, labels: "gradient mode changed",
     "autocast": lambda new, old, labels: (
         f"autocast changed ({amp.describe(old.autocast)} -> {amp.describe(new.autocast)})"
     ),

@@ -135,7 +135,7 @@ class ModuleEngine:
         with self._lock:
             if self.backward_failure is None:
                 self.backward_failure = error
-                self._trusted = {m: k for m, k in self._trusted.items() if not k.grad}
+                self._trusted = {m: k for m, k in self._trusted.items() if not k.has_backward}
         if self._backward_failed is not None:
             self._backward_failed(error)
 

@@ -111,7 +111,7 @@ class Miss:
     module: torch.nn.Module
     state: ModuleState
     call: FlatCall
-    grad: bool  # the graph has a backward graph (a training call)
+    has_backward: bool  # the graph has a backward graph (a training call)
     device: torch.device
     hot: Shapes | None  # the input shapes that earned a static-shape graph of their own
     #: the input shapes the graph is built and keyed for (-1 for a dimension traced as a

@@ -1,21 +1,21 @@
-"""The plain backend (`onnxruntime`, the maintained inference-only package): forward and
-backward graphs from torch's autograd, each run in an InferenceSession.
+"""The plain backend (`ort`: `onnxruntime`, the maintained inference-only package): forward
+and backward graphs from torch's autograd, each run in an InferenceSession.
 
 A build traces the call's joint forward + backward with aot_autograd and the backend's
-decomposition table, partitions it, and lowers both graphs to ONNX (`engine/backends/ort/`). A key's
+decomposition table, partitions it, and lowers both graphs to ONNX (this package). A key's
 first graph is traced for the call's input shapes; once a second shape comes, the dimensions
-that varied are traced as symbols (`plain.symbolic`), and the graph serves every size its
-guards admit (`Recipe.size_guards`, `engine/sizes.py`). A symbolic trace that fails falls
-back to a graph for the call's shapes, and that key stays one graph per shape (when forward
-fixed the sizes, its later graphs say where: `plain.hazards` locates the trace's guards in the
-user's code, the report's trace hazards). A trace stopped by forward reading tensor data is
-refused as data-dependent control flow, with the place. Before a
-graph's numbers are trusted, its first call (the call that built it) also runs eagerly and the
-two are compared (`plain.check`): a mismatch is a `VerificationError`, and that key's calls run
-in PyTorch with the reason. A graph loaded from the persistent cache passed that check when it
-was built: loading it traces nothing, imports neither the exporter nor onnx, and checks
-nothing. Buffer updates (BatchNorm's statistics) and dropout's seeds are the program's own
-business (`plain.program`), so the engine's `Step` carries neither.
+that varied are traced as symbols (`symbolic`), and the graph serves every size its guards
+admit (`Recipe.size_guards`, the engine's `GuardedSizes` policy). A symbolic trace that fails
+falls back to a graph for the call's shapes, and that key stays one graph per shape (when
+forward fixed the sizes, its later graphs say where: `hazards` locates the trace's guards in
+the user's code, the report's trace hazards). A trace stopped by forward reading tensor data
+is refused as data-dependent control flow, with the place. Before a graph's numbers are
+trusted, its first call (the call that built it) also runs eagerly and the two are compared
+(`verifies_first_call`, the engine's `verify`): a mismatch is a `VerificationError`, and that
+key's calls run in PyTorch with the reason. A graph loaded from the persistent cache passed
+that check when it was built: loading it traces nothing, imports neither the exporter nor
+onnx, and checks nothing. Buffer updates (BatchNorm's statistics) and dropout's seeds are the
+program's own business (`program`).
 """
 
 from __future__ import annotations

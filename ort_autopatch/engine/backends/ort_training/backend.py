@@ -279,7 +279,7 @@ class OrtTrainingBackend(Backend):
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
         _require_training_build()
-        if miss.grad:
+        if miss.has_backward:
             _refuse_untrainable(self.module_class, miss)
         return self._build(miss, progress)
 
@@ -294,7 +294,11 @@ class OrtTrainingBackend(Backend):
                 dynamic = False
                 exported = self._export(miss, progress, dynamic=False)
             model = graph.load(exported.model_bytes)
-            if dynamic and miss.grad and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS):
+            if (
+                dynamic
+                and miss.has_backward
+                and any(graph.has_op(model, op) for op in _STATIC_SHAPE_OPS)
+            ):
                 raise _NeedsStaticShapes
             budget.check("before its gradient build")
             progress.phase = "gradient build"
@@ -407,7 +411,7 @@ class OrtTrainingBackend(Backend):
 
     def _recipe(self, miss: Miss, exported: export.ExportedGraph, model: Any) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
-        state, call, grad = miss.state, miss.call, miss.grad
+        state, call, grad = miss.state, miss.call, miss.has_backward
         refusal = amp.cpu_refusal(model, miss.autocast)
         if refusal is not None:
             raise AutocastUnsupportedError(self.module_class, refusal, amp.REMEDY)

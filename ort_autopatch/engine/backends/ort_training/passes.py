@@ -27,7 +27,7 @@ from ort_autopatch.engine.backends.ort_training import graph
 
 
 @dataclass
-class ForwardGraph:
+class ForwardPassState:
     """An exported graph going through the forward passes, and what they found out."""
 
     model: onnx.ModelProto
@@ -39,7 +39,7 @@ class ForwardGraph:
 
 
 @dataclass
-class GradientGraph:
+class GradientPassState:
     """A gradient graph going through the gradient passes."""
 
     model: onnx.ModelProto
@@ -47,7 +47,7 @@ class GradientGraph:
     num_forward_outputs: int
 
 
-G = TypeVar("G", ForwardGraph, GradientGraph)
+G = TypeVar("G", ForwardPassState, GradientPassState)
 
 
 @dataclass(frozen=True)
@@ -57,23 +57,23 @@ class Pass(Generic[G]):
     applies: Callable[[G], bool] = lambda g: True
 
 
-def _name_outputs(g: ForwardGraph) -> None:
+def _name_outputs(g: ForwardPassState) -> None:
     g.num_user_outputs = len(graph.name_outputs(g.model))
 
 
-def _embedding_padding(g: ForwardGraph) -> None:
+def _embedding_padding(g: ForwardPassState) -> None:
     g.frozen = graph.embedding_padding(g.model, g.padding)
 
 
-def _batch_norm_statistics(g: ForwardGraph) -> None:
+def _batch_norm_statistics(g: ForwardPassState) -> None:
     g.batch_norms = graph.batch_norm_statistics(g.model)
 
 
-def _yield_extra_outputs(g: GradientGraph) -> None:
+def _yield_extra_outputs(g: GradientPassState) -> None:
     g.num_forward_outputs = graph.yield_extra_outputs(g.model, g.extra_outputs)
 
 
-FORWARD: tuple[Pass[ForwardGraph], ...] = (
+FORWARD: tuple[Pass[ForwardPassState], ...] = (
     Pass("name_outputs", _name_outputs),
     Pass("relax_shapes", lambda g: graph.relax_shapes(g.model)),
     Pass("torch_node_mode", lambda g: graph.torch_node_mode(g.model, g.has_backward)),
@@ -94,7 +94,7 @@ FORWARD: tuple[Pass[ForwardGraph], ...] = (
     Pass("batch_norm_statistics", _batch_norm_statistics),
 )
 
-GRADIENT: tuple[Pass[GradientGraph], ...] = (
+GRADIENT: tuple[Pass[GradientPassState], ...] = (
     Pass("gather_grad_as_slice_grad", lambda g: graph.gather_grad_as_slice_grad(g.model)),
     Pass("yield_extra_outputs", _yield_extra_outputs, lambda g: bool(g.extra_outputs)),
 )
@@ -102,16 +102,16 @@ GRADIENT: tuple[Pass[GradientGraph], ...] = (
 
 def apply_forward(
     model: onnx.ModelProto, has_backward: bool, padding: dict[str, int]
-) -> ForwardGraph:
+) -> ForwardPassState:
     """Run the forward passes on an exported graph, in place."""
-    return _apply(FORWARD, ForwardGraph(model, has_backward, padding))
+    return _apply(FORWARD, ForwardPassState(model, has_backward, padding))
 
 
 def apply_gradient(
     model: onnx.ModelProto, extra_outputs: list[str], num_forward_outputs: int
-) -> GradientGraph:
+) -> GradientPassState:
     """Run the gradient passes on a gradient graph, in place."""
-    return _apply(GRADIENT, GradientGraph(model, extra_outputs, num_forward_outputs))
+    return _apply(GRADIENT, GradientPassState(model, extra_outputs, num_forward_outputs))
 
 
 def _apply(stage: tuple[Pass[G], ...], g: G) -> G:

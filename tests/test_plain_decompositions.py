@@ -417,3 +417,33 @@ def test_flash_attention_for_cpu_in_float64_with_a_scale_equals_atens() -> None:
     )
     for a, e in zip(got_grads, expected, strict=True):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [2, 4])
+def test_flash_attention_for_cpu_with_grouped_key_heads_equals_atens(
+    causal: bool, group: int
+) -> None:
+    """Grouped query attention (`enable_gqa`): the kernel reads key and value head h // group
+    for query head h, and its backward sums each group's gradients onto its head."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 5, 8)
+    k, v = (torch.randn(2, 4 // group, 5, 8) for _ in range(2))
+    mask = _attention_mask("random", 5, 5, q.dtype)
+    args = (0.0, causal)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, *args, attn_mask=mask)
+    got_out, got_lse = decompositions.scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, *args, attn_mask=mask
+    )
+    torch.testing.assert_close(got_out, out)
+    torch.testing.assert_close(got_lse, lse)
+    grad = torch.randn_like(out)
+    expected = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, *args, attn_mask=mask
+    )
+    got = decompositions.scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, *args, attn_mask=mask
+    )
+    for name, a, e in zip("qkv", got, expected, strict=True):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, msg=f"gradient of {name}")

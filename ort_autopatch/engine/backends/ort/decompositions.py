@@ -338,7 +338,29 @@ def _attention_scores(
 
 
 def _flash_supported(query: torch.Tensor, key: torch.Tensor, dropout_p: float) -> bool:
-    return dropout_p == 0 and query.dim() == 4 and query.shape[1] == key.shape[1]
+    """No dropout, (batch, heads, length, dim), and key heads that divide the query's (grouped
+    query attention, `enable_gqa`: query head h reads key and value head h // group)."""
+    return dropout_p == 0 and query.dim() == 4 and query.shape[1] % key.shape[1] == 0
+
+
+def _heads_as_query(t: torch.Tensor, heads: Any) -> torch.Tensor:
+    """Key or value heads repeated to the query's, each `heads // t.shape[1]` times in a row
+    (what the kernel reads under grouped query attention); `t` itself when they match."""
+    kv_heads = t.shape[1]
+    if kv_heads == heads:
+        return t
+    group = heads // kv_heads
+    b, _, length, dim = t.shape
+    return t.unsqueeze(2).expand(b, kv_heads, group, length, dim).reshape(b, heads, length, dim)
+
+
+def _heads_as_key(grad: torch.Tensor, kv_heads: Any) -> torch.Tensor:
+    """The gradient of `_heads_as_query`: each group of query heads summed onto its head."""
+    heads = grad.shape[1]
+    if kv_heads == heads:
+        return grad
+    b, _, length, dim = grad.shape
+    return grad.reshape(b, kv_heads, heads // kv_heads, length, dim).sum(2)
 
 
 def scaled_dot_product_flash_attention_for_cpu(
@@ -357,7 +379,9 @@ def scaled_dot_product_flash_attention_for_cpu(
     if not _flash_supported(query, key, dropout_p):
         return NotImplemented
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    heads = query.shape[1]
     q, k, v = (t.to(work) for t in (query, key, value))
+    k, v = _heads_as_query(k, heads), _heads_as_query(v, heads)
     scores = _attention_scores(q, k, is_causal, attn_mask, scale)
     peak = scores.amax(-1, keepdim=True)
     # a row with every key at -inf: the kernel gives an output and a log-sum-exp of 0
@@ -401,6 +425,7 @@ def scaled_dot_product_flash_attention_for_cpu_backward(
         return NotImplemented
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     q, k, v, o, g = (t.to(work) for t in (query, key, value, out, grad_out))
+    k, v = _heads_as_query(k, query.shape[1]), _heads_as_query(v, query.shape[1])
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = _attention_scores(q, k, is_causal, attn_mask, scale)
     p = torch.exp(scores - logsumexp.to(work).unsqueeze(-1))
@@ -410,6 +435,10 @@ def scaled_dot_product_flash_attention_for_cpu_backward(
     grad_scores = p * (grad_p - row) * scale
     grad_query = torch.matmul(grad_scores, k)
     grad_key = torch.matmul(grad_scores.transpose(-2, -1), q)
+    grad_key, grad_value = (
+        _heads_as_key(grad_key, key.shape[1]),
+        _heads_as_key(grad_value, key.shape[1]),
+    )
     return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
 
 

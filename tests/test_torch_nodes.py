@@ -1205,7 +1205,6 @@ def test_a_layer_norm_over_two_dims_gets_its_gradient_in_torch_for_every_batch()
 def test_gradient_nodes_orts_session_refuses_fall_back_to_orts_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ort_autopatch.engine import session
     from ort_autopatch.engine.errors import SessionError
 
     real = agent.build_training
@@ -1215,7 +1214,7 @@ def test_gradient_nodes_orts_session_refuses_fall_back_to_orts_kernels(
             raise SessionError("WideFeedForward", "refused for the test", "none")
         return real(gradient, *args)
 
-    monkeypatch.setattr(session, "build_training", refuse_torch_nodes)
+    monkeypatch.setattr(agent, "build_training", refuse_torch_nodes)
     torch.manual_seed(23)
     run = assert_training_parity(WideFeedForward(), _wide, steps=2, rtol=RTOL, atol=ATOL)
     assert _torch_nodes(run.engine) == {}

@@ -16,7 +16,6 @@ import collections
 import enum
 import logging
 import operator
-import sys
 import threading
 import types
 import weakref
@@ -26,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ort_autopatch import distributed, report
+from ort_autopatch import compiled_calls, distributed, report
+from ort_autopatch.compiled_calls import compiled_call, compiled_trace, count_compiled_calls
 from ort_autopatch.config import BY_NAME, Config
 from ort_autopatch.engine import (
     EngineError,
@@ -155,7 +155,7 @@ def patch(cls: type, settings: Settings | None = None) -> bool:
                 # only `traced` runs, once per trace. Before torch.compile has loaded nothing
                 # is made (dynamo would break its graph on the call). torch.export (which runs
                 # this code in Python when not strict) is no call.
-                comptime = _dynamo_comptime
+                comptime = compiled_calls.dynamo_comptime
                 if comptime is not None and not torch.compiler.is_exporting():
                     compiled_call(name)
                     comptime(traced)
@@ -195,6 +195,7 @@ def unpatch(cls: type) -> bool:
         delattr(cls, PATCHED_MARKER)
         name = class_name(cls)
         _warned.difference_update([key for key in _warned if key[0] == name])  # warn anew
+        compiled_calls.forget(name)
         return True
 
 
@@ -232,8 +233,6 @@ def mark_stale(module: torch.nn.Module) -> None:
 
 
 _is_compiling = torch.compiler.is_compiling
-#: torch._dynamo's `comptime`, once `compiled_call` is one of its reorderable logging functions
-_dynamo_comptime: Any = None
 
 
 def _step_aside() -> bool:
@@ -262,57 +261,6 @@ def _dispatch(
     if instance is None:
         instance = _new_instance(module)
     return instance.call(module, eager, args, kwargs)
-
-
-def compiled_call(name: str) -> None:
-    """Count a call of the class `name` that torch.compile runs, and say once what happens."""
-    stats = report.stats_for(name)
-    with stats.lock:
-        stats.compiled_calls += 1
-    _say_compiled(name)
-
-
-def compiled_trace(name: str) -> None:
-    """Count a call of the class `name` that torch.compile traced into a graph (the only sign
-    of a selected class compiled inside another module's graph), and say once what happens."""
-    stats = report.stats_for(name)
-    with stats.lock:
-        stats.compiled_traces += 1
-    _say_compiled(name)
-
-
-def _say_compiled(name: str) -> None:
-    key = (name, "torch.compile")
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(
-            "%s is compiled by torch.compile: its calls run as torch.compile compiles them, "
-            "not in ONNX Runtime (the report counts them as compiled_calls, and inside another "
-            "compiled module only their traces, compiled_traces); leave the selected class "
-            "uncompiled to train it in ONNX Runtime, or exclude it (%s) to silence this",
-            name,
-            BY_NAME["exclude"].env,
-        )
-
-
-def count_compiled_calls(loaded: bool = False) -> None:
-    """Let torch.compile count the calls of selected classes, once torch._dynamo has loaded
-    (the import hook calls this after its package ran; `patch` when it had): dynamo defers its
-    reorderable logging functions (`compiled_call`) to after its graph, on every call,
-    instead of breaking the graph there, and runs `comptime` functions while it traces.
-    Importing torch._dynamo here would cost every run a second, so a class patched by hand
-    without `install()` before torch.compile loads is not counted. `loaded`: its package body
-    has run (importlib still marks it initializing until the import returns)."""
-    global _dynamo_comptime
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return
-    if not loaded and getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
-        return  # still loading, on another thread (its submodules may not import yet)
-    from torch._dynamo import comptime, config
-
-    config.reorderable_logging_functions.add(compiled_call)
-    _dynamo_comptime = comptime.comptime
 
 
 def _new_instance(module: torch.nn.Module) -> _Instance:

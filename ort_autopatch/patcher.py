@@ -281,9 +281,6 @@ class _Instance:
         self.stats = report.stats_for(self.name)
         self.engine: ModuleEngine | None = None
         self.guards = AttributeGuards(self.name)
-        self._builds_seen = 0
-        self._hazards_seen = 0
-        self._verifications_seen = 0
 
     # the call --------------------------------------------------------------------------------
     def call(
@@ -302,6 +299,7 @@ class _Instance:
                 guards=self.guards,
                 weak=True,
                 backward_failed=self._backward_failed,
+                listener=self.stats,  # the class's counters hear of builds, hazards, checks
             )
         engine = self.engine
         reason = _needs_eager(module, engine)
@@ -367,11 +365,9 @@ class _Instance:
                 and distributed.frees_parameters_after_forward(module),
             )
         except Exception as exc:
-            self._account_builds(engine)
             return self._eager_after(exc, module, in_pytorch)
         if type(output) is Replay:  # forward assigns tensors to attributes: do it again
             output = self.guards.replay(output, module)
-        self._account_builds(engine)
         with self.stats.lock:
             self.stats.ort_calls += 1
         return output
@@ -392,17 +388,6 @@ class _Instance:
                 raise exc.with_traceback(None)
             self._fallback(exc, distributed.mixed_precision(module))
         return in_pytorch()
-
-    def _account_verification(self, result: Any) -> None:
-        stats = self.stats
-        if result.unverified is not None:
-            stats.unverified[result.unverified] += 1
-            return
-        stats.verified_calls += 1
-        stats.verify_mismatches += result.mismatch is not None
-        for name in ("output_diff", "output_rel", "grad_diff", "grad_rel"):
-            value = getattr(result, name)
-            stats.verify_worst[name] = max(stats.verify_worst.get(name, 0.0), value)
 
     def _backward_failed(self, exc: ExecutionError) -> None:
         """A graph's backward failed in the user's backward (its forward ran in ORT, so that
@@ -441,42 +426,6 @@ class _Instance:
         if self.engine is not None and self.guards.ignores(module, name):
             with self.stats.lock:
                 self.stats.ignored_writes += 1
-
-    def _account_builds(self, engine: ModuleEngine) -> None:
-        checked = engine.verifications
-        if len(checked) != self._verifications_seen:
-            with self.stats.lock:
-                for result in checked[self._verifications_seen :]:
-                    self._account_verification(result)
-                self._verifications_seen = len(checked)
-        found = engine.hazards
-        if len(found) != self._hazards_seen:
-            with self.stats.lock:
-                for hazard in found[self._hazards_seen :]:
-                    self.stats.trace_hazards[(hazard.kind, hazard.what, hazard.where)] += 1
-                self._hazards_seen = len(found)
-        records = engine.records
-        if len(records) == self._builds_seen:
-            return
-        with self.stats.lock:
-            fresh, self._builds_seen = records[self._builds_seen :], len(records)
-            for record in fresh:
-                if record.from_disk:
-                    self.stats.cache_loads += 1
-                else:
-                    self.stats.exports += 1
-                self.stats.export_seconds += record.export_seconds
-                self.stats.build_seconds += record.build_seconds
-                for label, count in record.torch_nodes.items():
-                    self.stats.torch_nodes[label] = max(self.stats.torch_nodes[label], count)
-                if record.reason != "first call":
-                    self.stats.rebuilds[record.reason] += 1
-                if record.per_shape:
-                    self.stats.per_shape_graphs += 1
-                if record.hot_shape:
-                    self.stats.static_shape_graphs += 1
-
-    # guards ----------------------------------------------------------------------------------
 
 
 def _fallback_remedies(name: str) -> str:

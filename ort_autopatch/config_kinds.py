@@ -93,10 +93,13 @@ class CommaList(Kind):
     def parse(self, text: str, where: str) -> tuple[str, ...]:
         if not text.strip():
             return ()
-        return tuple(self.entry(part.strip(), text, where) for part in text.split(","))
+        try:
+            return tuple(self.entry(part.strip()) for part in text.split(","))
+        except ValueError as problem:
+            raise ConfigError(where, text, str(problem), self.accepted) from None
 
-    def entry(self, entry: str, text: str, where: str) -> str:
-        """One entry of `text` as the value holds it, or ConfigError naming `where`."""
+    def entry(self, entry: str) -> str:
+        """One entry as the value holds it; ValueError says what is wrong with it."""
         raise NotImplementedError
 
     def from_python(self, raw: object) -> tuple[bool, object]:
@@ -113,26 +116,19 @@ class Patterns(CommaList):
     )
     metavar = "PATTERNS"
 
-    def entry(self, entry: str, text: str, where: str) -> str:
-        problem = self._problem(entry)
-        if problem:
-            raise ConfigError(where, text, problem, self.accepted)
-        return entry
-
-    @staticmethod
-    def _problem(entry: str) -> str:
+    def entry(self, entry: str) -> str:
         if not entry:
-            return "empty entry in the comma list"
+            raise ValueError("empty entry in the comma list")
         module, colon, cls = entry.partition(":")
         if not colon:
-            return f"entry {entry!r} has no ':Class'"
+            raise ValueError(f"entry {entry!r} has no ':Class'")
         if ":" in cls:
-            return f"entry {entry!r} has more than one ':'"
+            raise ValueError(f"entry {entry!r} has more than one ':'")
         if not module.strip() or not cls.strip():
-            return f"entry {entry!r} has an empty side"
+            raise ValueError(f"entry {entry!r} has an empty side")
         if any(ch.isspace() for ch in entry):
-            return f"entry {entry!r} contains whitespace"
-        return ""
+            raise ValueError(f"entry {entry!r} contains whitespace")
+        return entry
 
 
 class Operators(CommaList):
@@ -142,12 +138,12 @@ class Operators(CommaList):
     )
     metavar = "OPS"
 
-    def entry(self, entry: str, text: str, where: str) -> str:
+    def entry(self, entry: str) -> str:
         if not entry or any(ch.isspace() for ch in entry):
-            raise ConfigError(where, text, f"bad operator name {entry!r}", self.accepted)
+            raise ValueError(f"bad operator name {entry!r}")
         name = entry if "::" in entry else f"aten::{entry}"
         if not name.startswith("aten::"):
-            raise ConfigError(where, text, f"{entry!r} is not an ATen operator", self.accepted)
+            raise ValueError(f"{entry!r} is not an ATen operator")
         return name
 
 

@@ -96,9 +96,9 @@ def install(config: Config | None = None) -> bool:
 
 
 def _count_compiled_calls(dynamo: ModuleType) -> None:
-    from ort_autopatch import patcher
+    from ort_autopatch import compiled_calls
 
-    patcher.count_compiled_calls(loaded=True)
+    compiled_calls.count_compiled_calls(loaded=True)
 
 
 def uninstall() -> None:

@@ -1,11 +1,12 @@
 """One frozen `Config`, read once, from CLI > environment > TOML file > defaults.
 
 Every option is declared once, as a field of `Config` whose metadata is an `Option`: the
-environment variable, the launcher flag, the kind of value (which parses, validates, names what is
-accepted and writes the value back as text) and the help line. Everything else is derived from
-those declarations: reading the environment, TOML and CLI values, `Config.to_env`, the launcher's
-argparse options and `--help`, the engine's options (`Config.engine_values`) and the README's
-option table (`markdown_table`, checked by a test). docs/options.md says how to add one.
+environment variable, the launcher flag, the kind of value (`config_kinds.py`: it parses,
+validates, names what is accepted and writes the value back as text) and the help line.
+Everything else is derived from those declarations: reading the environment, TOML (the file
+`config_file.py` finds) and CLI values, `Config.to_env`, the launcher's argparse options and
+`--help`, the engine's options (`Config.engine_values`) and the README's option table
+(`markdown_table`, checked by a test). docs/options.md says how to add one.
 
 Activation (the launcher, `ort_autopatch.auto` and the child-process sitecustomize) calls
 `load_config` before the user's script runs, so every bad value fails here, naming where it came
@@ -20,21 +21,24 @@ import dataclasses
 import enum
 import os
 import pathlib
-import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from .engine import backend as backend_registry
-from .errors import ConfigError
-from .policy import (
-    DEFAULT_FALLBACK,
-    DEFAULT_SKIP_CHECK,
-    Fallback,
-    SkipCheck,
-    names,
-    parse_fallback,
-    parse_skip_check,
+from ort_autopatch.config_file import ENV_CONFIG_FILE, NO_FILE, find_table
+from ort_autopatch.config_kinds import (
+    Choice,
+    Folder,
+    Integer,
+    Kind,
+    Operators,
+    Patterns,
+    Policy,
+    ReportPath,
+    Switch,
 )
+from ort_autopatch.engine import backend as backend_registry
+from ort_autopatch.errors import ConfigError
+from ort_autopatch.policy import DEFAULT_FALLBACK, DEFAULT_SKIP_CHECK, Fallback, SkipCheck
 
 __all__ = [
     "BY_NAME",
@@ -49,226 +53,6 @@ __all__ = [
     "load_config",
     "markdown_table",
 ]
-
-#: Path of a TOML file to read instead of `./pyproject.toml`; `none` reads no file at all (what
-#: `Config.to_env` exports, so a child started in another folder cannot pick up another file).
-ENV_CONFIG_FILE = "ORT_AUTOPATCH_CONFIG"
-_NO_FILE = "none"
-_TOML_TABLE = "[tool.ort_autopatch]"
-
-
-# --- kinds of values ---------------------------------------------------------------------------
-
-
-class Kind:
-    """How one kind of value is read from text (environment, flag) or from a Python value (TOML,
-    `load_config(cli=...)`), validated, described, and written back as text for `to_env`."""
-
-    type_name = "a string"  # what a Python value must be: the `expected ...` of an error
-    accepted = ""  # what is accepted, for errors, `--help` and the README
-    metavar = "VALUE"
-    repeatable = False  # the flag may be given several times (values joined)
-    empty_allowed = False  # '' is a value (an empty list), not an error, from TOML/CLI
-
-    def parse(self, text: str, where: str) -> Any:
-        """The value of `text`, or ConfigError naming `where`."""
-        return text.strip()
-
-    def from_python(self, raw: object) -> tuple[bool, object]:
-        """(True, value) if `raw` already is a final value; (False, text) to parse `text`, which
-        is not a str when `raw` has the wrong type."""
-        if isinstance(raw, os.PathLike):
-            return False, os.fspath(raw)
-        return False, raw
-
-    def text(self, value: Any) -> str:
-        """The environment form of `value` (`''` = unset); `parse(text(v)) == v`."""
-        return "" if value is None else str(value)
-
-    def relative_to(self, value: Any, base: pathlib.Path) -> Any:
-        """A value from a file, resolved next to that file (paths only)."""
-        return value
-
-
-class Switch(Kind):
-    type_name = "a boolean"
-    _true = ("1", "true", "yes", "on")
-    _false = ("0", "false", "no", "off")
-    accepted = ", ".join(f"{t}/{f}" for t, f in zip(_true, _false, strict=True))
-    metavar = "BOOL"
-
-    def parse(self, text: str, where: str) -> bool:
-        word = text.strip().lower()
-        if word in self._true:
-            return True
-        if word in self._false:
-            return False
-        raise ConfigError(where, text, "not a boolean", self.accepted)
-
-    def from_python(self, raw: object) -> tuple[bool, object]:
-        return (True, raw) if isinstance(raw, bool) else (False, raw)
-
-    def text(self, value: Any) -> str:
-        return "1" if value else "0"
-
-
-class Patterns(Kind):
-    type_name = "a string or a list of strings"
-    accepted = (
-        "a comma list of 'module.path:Class' entries, fnmatch wildcards allowed on both "
-        "sides (e.g. 'mypkg.models:Net,__main__:*Head')"
-    )
-    metavar = "PATTERNS"
-    repeatable = True
-    empty_allowed = True
-
-    def parse(self, text: str, where: str) -> tuple[str, ...]:
-        if not text.strip():
-            return ()
-        patterns = []
-        for entry in (part.strip() for part in text.split(",")):
-            problem = self._problem(entry)
-            if problem:
-                raise ConfigError(where, text, problem, self.accepted)
-            patterns.append(entry)
-        return tuple(patterns)
-
-    @staticmethod
-    def _problem(entry: str) -> str:
-        if not entry:
-            return "empty entry in the comma list"
-        module, colon, cls = entry.partition(":")
-        if not colon:
-            return f"entry {entry!r} has no ':Class'"
-        if ":" in cls:
-            return f"entry {entry!r} has more than one ':'"
-        if not module.strip() or not cls.strip():
-            return f"entry {entry!r} has an empty side"
-        if any(ch.isspace() for ch in entry):
-            return f"entry {entry!r} contains whitespace"
-        return ""
-
-    def from_python(self, raw: object) -> tuple[bool, object]:
-        return False, ",".join(raw) if _is_str_sequence(raw) else raw  # type: ignore[arg-type]
-
-    def text(self, value: Any) -> str:
-        return ",".join(value)
-
-
-class Operators(Kind):
-    type_name = "a string or a list of strings"
-    accepted = (
-        "a comma list of ATen operator names as the report shows them (e.g. "
-        "'aten::einsum,aten::cummax'; 'aten::' may be left out; fnmatch wildcards allowed)"
-    )
-    metavar = "OPS"
-    repeatable = True
-    empty_allowed = True
-
-    def parse(self, text: str, where: str) -> tuple[str, ...]:
-        if not text.strip():
-            return ()
-        found = []
-        for entry in (part.strip() for part in text.split(",")):
-            if not entry or any(ch.isspace() for ch in entry):
-                raise ConfigError(where, text, f"bad operator name {entry!r}", self.accepted)
-            name = entry if "::" in entry else f"aten::{entry}"
-            if not name.startswith("aten::"):
-                raise ConfigError(where, text, f"{entry!r} is not an ATen operator", self.accepted)
-            found.append(name)
-        return tuple(found)
-
-    def from_python(self, raw: object) -> tuple[bool, object]:
-        return False, ",".join(raw) if _is_str_sequence(raw) else raw  # type: ignore[arg-type]
-
-    def text(self, value: Any) -> str:
-        return ",".join(value)
-
-
-class Policy(Kind):
-    type_name = "a string or a list of names"
-    metavar = "NAMES"
-
-    def __init__(self, flags: type[SkipCheck] | type[Fallback], none: str) -> None:
-        self.flags = flags
-        self.none = none  # the name of the empty policy, so that `text` is never ''
-        self.accepted = ", ".join(names(flags(~0))) + " (join several with '|')"
-        self._parse = parse_skip_check if flags is SkipCheck else parse_fallback
-
-    def parse(self, text: str, where: str) -> Any:
-        return self._parse(text, where)
-
-    def from_python(self, raw: object) -> tuple[bool, object]:
-        if raw.__class__ is self.flags:
-            return True, raw
-        return False, "|".join(raw) if _is_str_sequence(raw) else raw  # type: ignore[arg-type]
-
-    def text(self, value: Any) -> str:
-        return "|".join(names(value)) or self.none
-
-
-class Integer(Kind):
-    type_name = "an integer"
-    metavar = "N"
-
-    def __init__(self, valid: Callable[[int], bool], accepted: str) -> None:
-        self.valid = valid
-        self.accepted = accepted
-
-    def parse(self, text: str, where: str) -> int:
-        try:
-            number = int(text.strip(), 10)
-        except ValueError:
-            raise ConfigError(where, text, "not an integer", self.accepted) from None
-        if not self.valid(number):
-            raise ConfigError(where, text, "out of range", self.accepted)
-        return number
-
-    def from_python(self, raw: object) -> tuple[bool, object]:
-        if isinstance(raw, bool):
-            return False, raw  # True is an int to Python, never a count to a user
-        return (False, str(raw)) if isinstance(raw, int) else (False, raw)
-
-
-class Choice(Kind):
-    metavar = "NAME"
-
-    def __init__(self, choices: Iterable[str], what: str) -> None:
-        self.choices = tuple(choices)
-        self.what = what
-        self.accepted = ", ".join(self.choices)
-
-    def parse(self, text: str, where: str) -> str:
-        """The choice as declared, whatever the case it was written in."""
-        word = {c.upper(): c for c in self.choices}.get(text.strip().upper())
-        if word is None:
-            raise ConfigError(where, text, f"unknown {self.what}", self.accepted)
-        return word
-
-
-class Folder(Kind):
-    type_name = "a path string"
-    accepted = "a path"
-    metavar = "DIR"
-
-    def parse(self, text: str, where: str) -> pathlib.Path:
-        return pathlib.Path(text.strip()).expanduser()
-
-    def relative_to(self, value: Any, base: pathlib.Path) -> Any:
-        return value if value.is_absolute() else base / value
-
-
-class ReportPath(Kind):
-    type_name = "a path string"
-    accepted = "a path, or '-' for a text summary on stderr"
-    metavar = "PATH"
-
-    def relative_to(self, value: Any, base: pathlib.Path) -> Any:
-        return value if value == "-" or pathlib.Path(value).is_absolute() else str(base / value)
-
-
-def _is_str_sequence(raw: object) -> bool:
-    return isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw)
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -535,7 +319,7 @@ class Config:
         (its values are already here), whatever folder the child starts in.
         """
         env = {opt.env: opt.kind.text(getattr(self, opt.name)) for opt in OPTIONS}
-        env[ENV_CONFIG_FILE] = _NO_FILE
+        env[ENV_CONFIG_FILE] = NO_FILE
         return env
 
     def engine_values(self) -> dict[str, Any]:
@@ -621,7 +405,9 @@ def load_config(
     environ = os.environ if environ is None else environ
     cwd = pathlib.Path.cwd() if cwd is None else cwd
     values: dict[str, Any] = {}
-    values.update(_from_toml(environ, cwd))
+    table = find_table(environ, cwd)
+    if table is not None:
+        values.update(_parse_table(table.values, table.where, table.base))
     values.update(_from_env(environ))
     values.update(_from_cli(cli or {}))
     return Config(**values)
@@ -650,69 +436,6 @@ def _from_cli(cli: Mapping[str, object]) -> dict[str, Any]:
         for name, raw in cli.items()
         if raw is not None
     }
-
-
-def _from_toml(environ: Mapping[str, str], cwd: pathlib.Path) -> dict[str, Any]:
-    explicit = environ.get(ENV_CONFIG_FILE, "").strip()
-    if explicit.lower() == _NO_FILE:
-        return {}
-    if explicit:
-        path = pathlib.Path(explicit).expanduser()
-        if not path.is_absolute():
-            path = cwd / path
-        if not path.is_file():
-            raise ConfigError(
-                ENV_CONFIG_FILE,
-                explicit,
-                "no such file",
-                f"the path of an existing TOML file, or '{_NO_FILE}' to read none",
-            )
-        document = _read_toml(path, ENV_CONFIG_FILE, explicit)
-        # A dedicated file may hold the keys at top level or, like pyproject.toml, in the table.
-        table = _tool_table(document)
-        if table is None:
-            return _parse_table(document, f"{path}", path.parent)
-        return _parse_table(table, f"{path} {_TOML_TABLE}", path.parent)
-
-    path = cwd / "pyproject.toml"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return {}
-    # A pyproject.toml that never mentions us is none of our business, even if it is broken:
-    # activation runs in every child process, whatever folder it happens to start in.
-    if "ort_autopatch" not in text:
-        return {}
-    document = _read_toml(path, "pyproject.toml", str(path), text=text)
-    table = _tool_table(document)
-    if table is None:
-        return {}
-    return _parse_table(table, f"pyproject.toml {_TOML_TABLE}", path.parent)
-
-
-def _read_toml(
-    path: pathlib.Path, variable: str, shown: str, text: str | None = None
-) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10: a declared dependency there
-        import tomli as tomllib
-    try:
-        if text is None:
-            text = path.read_text(encoding="utf-8")
-        return tomllib.loads(text)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError is a ValueError
-        reason = f"cannot read it as TOML ({exc})"
-        raise ConfigError(variable, shown, reason, "a TOML file") from exc
-
-
-def _tool_table(document: Mapping[str, Any]) -> dict[str, Any] | None:
-    tool = document.get("tool")
-    if isinstance(tool, dict):
-        table = tool.get("ort_autopatch")
-        if isinstance(table, dict):
-            return table
-    return None
 
 
 def _parse_table(table: Mapping[str, Any], where: str, base: pathlib.Path) -> dict[str, Any]:

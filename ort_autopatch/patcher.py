@@ -1,9 +1,11 @@
 """Patching a selected class in place: its `__call__` goes through ONNX Runtime, its
 `__setattr__` notices writes, and the fallback policy decides what a failed call does.
 
-The only module that rebinds a class's methods. The attribute reads an export makes are recorded
-by `recording` (which swaps `__class__` of user objects for the length of an export), and the
-forward hooks of a call served by ORT are run by `hooks`.
+The only module that rebinds a class's methods. It calls on three helpers, one job each: the
+attributes a graph depends on are guarded by `attribute_guards` (what forward read and wrote while
+exported, recorded by `recording`, which swaps `__class__` of user objects for the length of an
+export); the forward and backward hooks of a call served by ORT are run by `module_hooks`; calls
+that torch.compile runs are counted by `compiled_calls`.
 
 No wrapper object exists, so attributes, custom methods calling `self(...)`, `state_dict`,
 `isinstance`, pickling and `deepcopy` are those of the unpatched class. Per-instance state lives
@@ -12,32 +14,27 @@ in a WeakKeyDictionary, never in the instance's `__dict__`.
 
 from __future__ import annotations
 
-import collections
-import enum
 import logging
-import operator
-import sys
 import threading
-import types
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ort_autopatch import distributed, report
+from ort_autopatch import compiled_calls, distributed, report
+from ort_autopatch.attribute_guards import AttributeGuards, SideEffectError
+from ort_autopatch.compiled_calls import compiled_call, compiled_trace, count_compiled_calls
 from ort_autopatch.config import BY_NAME, Config
 from ort_autopatch.engine import (
     EngineError,
     EngineOptions,
     FailureKind,
     ModuleEngine,
-    hazards,
-    in_untraced_run,
     is_exporting,
 )
-from ort_autopatch.engine.errors import ExecutionError, SideEffectError
+from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
 from ort_autopatch.module_hooks import (
@@ -59,15 +56,7 @@ from ort_autopatch.policy import (
     falls_back,
     skips,
 )
-from ort_autopatch.recording import (
-    Read,
-    Replay,
-    Unreplayable,
-    Write,
-    is_recorder,
-    recording_access,
-    side_effects,
-)
+from ort_autopatch.recording import Replay, is_recorder
 
 log = logging.getLogger("ort_autopatch")
 
@@ -155,7 +144,7 @@ def patch(cls: type, settings: Settings | None = None) -> bool:
                 # only `traced` runs, once per trace. Before torch.compile has loaded nothing
                 # is made (dynamo would break its graph on the call). torch.export (which runs
                 # this code in Python when not strict) is no call.
-                comptime = _dynamo_comptime
+                comptime = compiled_calls.dynamo_comptime
                 if comptime is not None and not torch.compiler.is_exporting():
                     compiled_call(name)
                     comptime(traced)
@@ -195,6 +184,7 @@ def unpatch(cls: type) -> bool:
         delattr(cls, PATCHED_MARKER)
         name = class_name(cls)
         _warned.difference_update([key for key in _warned if key[0] == name])  # warn anew
+        compiled_calls.forget(name)
         return True
 
 
@@ -232,8 +222,6 @@ def mark_stale(module: torch.nn.Module) -> None:
 
 
 _is_compiling = torch.compiler.is_compiling
-#: torch._dynamo's `comptime`, once `compiled_call` is one of its reorderable logging functions
-_dynamo_comptime: Any = None
 
 
 def _step_aside() -> bool:
@@ -264,57 +252,6 @@ def _dispatch(
     return instance.call(module, eager, args, kwargs)
 
 
-def compiled_call(name: str) -> None:
-    """Count a call of the class `name` that torch.compile runs, and say once what happens."""
-    stats = report.stats_for(name)
-    with stats.lock:
-        stats.compiled_calls += 1
-    _say_compiled(name)
-
-
-def compiled_trace(name: str) -> None:
-    """Count a call of the class `name` that torch.compile traced into a graph (the only sign
-    of a selected class compiled inside another module's graph), and say once what happens."""
-    stats = report.stats_for(name)
-    with stats.lock:
-        stats.compiled_traces += 1
-    _say_compiled(name)
-
-
-def _say_compiled(name: str) -> None:
-    key = (name, "torch.compile")
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(
-            "%s is compiled by torch.compile: its calls run as torch.compile compiles them, "
-            "not in ONNX Runtime (the report counts them as compiled_calls, and inside another "
-            "compiled module only their traces, compiled_traces); leave the selected class "
-            "uncompiled to train it in ONNX Runtime, or exclude it (%s) to silence this",
-            name,
-            BY_NAME["exclude"].env,
-        )
-
-
-def count_compiled_calls(loaded: bool = False) -> None:
-    """Let torch.compile count the calls of selected classes, once torch._dynamo has loaded
-    (the import hook calls this after its package ran; `patch` when it had): dynamo defers its
-    reorderable logging functions (`compiled_call`) to after its graph, on every call,
-    instead of breaking the graph there, and runs `comptime` functions while it traces.
-    Importing torch._dynamo here would cost every run a second, so a class patched by hand
-    without `install()` before torch.compile loads is not counted. `loaded`: its package body
-    has run (importlib still marks it initializing until the import returns)."""
-    global _dynamo_comptime
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return
-    if not loaded and getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
-        return  # still loading, on another thread (its submodules may not import yet)
-    from torch._dynamo import comptime, config
-
-    config.reorderable_logging_functions.add(compiled_call)
-    _dynamo_comptime = comptime.comptime
-
-
 def _new_instance(module: torch.nn.Module) -> _Instance:
     with _lock:
         instance = _instances.get(module)
@@ -343,23 +280,7 @@ class _Instance:
         self.settings = _settings_of(cls)
         self.stats = report.stats_for(self.name)
         self.engine: ModuleEngine | None = None
-        # (owner's __dict__, attribute name, owner label, dotted path from the root) for every
-        # attribute forward read
-        self.guards: list[tuple[dict[str, Any], str, str, str]] = []
-        self._guard_set: set[tuple[int, str]] = set()
-        self._builds_seen = 0
-        self._hazards_seen = 0
-        self._verifications_seen = 0
-        # the objects the guarded attributes held last call, their guard values, and which of
-        # them can change in place (tensors, containers)
-        self._last: tuple[list[Any], tuple[Hashable, ...], list[int]] = ([], (), [])
-        self._guard_owners: list[dict[str, Any]] = []  # columns of `guards`, for map() in C
-        self._guard_names: list[str] = []
-        # traces refused for a write a graph cannot repeat, per (owner, attribute); the second
-        # refusal of one attribute sends every later call to PyTorch without tracing
-        self._refusals: collections.Counter[tuple[int, str]] = collections.Counter()
-        self.unreplayable: SideEffectError | None = None
-        self._replaying = False  # assigning forward's writes again (not the user's writes)
+        self.guards = AttributeGuards(self.name)
 
     # the call --------------------------------------------------------------------------------
     def call(
@@ -374,10 +295,11 @@ class _Instance:
             self.engine = ModuleEngine(
                 module,
                 settings.engine,
-                forward=self._recording_forward,
-                guards=self,
+                forward=self.guards.recording_forward,
+                guards=self.guards,
                 weak=True,
                 backward_failed=self._backward_failed,
+                listener=self.stats,  # the class's counters hear of builds, hazards, checks
             )
         engine = self.engine
         reason = _needs_eager(module, engine)
@@ -412,9 +334,10 @@ class _Instance:
                 return forward_without_hooks(module, args, kwargs)
             return eager(module, *args, **kwargs)
 
-        if self.unreplayable is not None:
+        unreplayable = self.guards.unreplayable
+        if unreplayable is not None:
             # forward changes state on every call: no graph, and no more traces to learn it
-            output = self._eager_after(self.unreplayable, module, in_pytorch)
+            output = self._eager_after(unreplayable, module, in_pytorch)
         else:
             output = self._ort_call(module, args, kwargs, in_pytorch)
         if hooked:
@@ -442,15 +365,9 @@ class _Instance:
                 and distributed.frees_parameters_after_forward(module),
             )
         except Exception as exc:
-            self._account_builds(engine)
             return self._eager_after(exc, module, in_pytorch)
         if type(output) is Replay:  # forward assigns tensors to attributes: do it again
-            self._replaying = True
-            try:
-                output = output.apply(module)
-            finally:
-                self._replaying = False
-        self._account_builds(engine)
+            output = self.guards.replay(output, module)
         with self.stats.lock:
             self.stats.ort_calls += 1
         return output
@@ -471,17 +388,6 @@ class _Instance:
                 raise exc.with_traceback(None)
             self._fallback(exc, distributed.mixed_precision(module))
         return in_pytorch()
-
-    def _account_verification(self, result: Any) -> None:
-        stats = self.stats
-        if result.unverified is not None:
-            stats.unverified[result.unverified] += 1
-            return
-        stats.verified_calls += 1
-        stats.verify_mismatches += result.mismatch is not None
-        for name in ("output_diff", "output_rel", "grad_diff", "grad_rel"):
-            value = getattr(result, name)
-            stats.verify_worst[name] = max(stats.verify_worst.get(name, 0.0), value)
 
     def _backward_failed(self, exc: ExecutionError) -> None:
         """A graph's backward failed in the user's backward (its forward ran in ORT, so that
@@ -515,130 +421,11 @@ class _Instance:
                 _fallback_remedies(self.name),
             )
 
-    def _account_builds(self, engine: ModuleEngine) -> None:
-        checked = engine.verifications
-        if len(checked) != self._verifications_seen:
-            with self.stats.lock:
-                for result in checked[self._verifications_seen :]:
-                    self._account_verification(result)
-                self._verifications_seen = len(checked)
-        found = engine.hazards
-        if len(found) != self._hazards_seen:
-            with self.stats.lock:
-                for hazard in found[self._hazards_seen :]:
-                    self.stats.trace_hazards[(hazard.kind, hazard.what, hazard.where)] += 1
-                self._hazards_seen = len(found)
-        records = engine.records
-        if len(records) == self._builds_seen:
-            return
-        with self.stats.lock:
-            fresh, self._builds_seen = records[self._builds_seen :], len(records)
-            for record in fresh:
-                if record.from_disk:
-                    self.stats.cache_loads += 1
-                else:
-                    self.stats.exports += 1
-                self.stats.export_seconds += record.export_seconds
-                self.stats.build_seconds += record.build_seconds
-                for label, count in record.torch_nodes.items():
-                    self.stats.torch_nodes[label] = max(self.stats.torch_nodes[label], count)
-                if record.reason != "first call":
-                    self.stats.rebuilds[record.reason] += 1
-                if record.per_shape:
-                    self.stats.per_shape_graphs += 1
-                if record.hot_shape:
-                    self.stats.static_shape_graphs += 1
-
-    # guards ----------------------------------------------------------------------------------
-    def values(self) -> tuple[Hashable, ...]:
-        """Current guard values of every attribute an export read: a changed one selects (or
-        builds) another graph, and a value toggled back finds its old graph again. While every
-        attribute still holds the object it held last call, only the values that can change in
-        place (tensors, containers) are read again, and the previous tuple is returned."""
-        if not self.guards:
-            return ()
-        current = list(map(dict.get, self._guard_owners, self._guard_names))
-        objects, values, mutable = self._last  # one read: another thread may replace it
-        if len(current) == len(objects) and all(map(operator.is_, current, objects)):
-            if not mutable or all(guard_value(current[i]) == values[i] for i in mutable):
-                return values
-        values = tuple(map(guard_value, current))
-        mutable = [i for i, value in enumerate(current) if not _immutable(value)]
-        self._last = (current, values, mutable)
-        return values
-
-    def labels(self) -> list[str]:
-        return [f"{label}.{name}" for _, name, label, _ in self.guards]
-
     def written(self, module: torch.nn.Module, name: str) -> None:
-        """A write on the patched instance itself (deeper writes are caught by the guards and
-        the engine's structure check on the next call)."""
-        engine = self.engine
-        if engine is None or name == "training" or self._replaying or is_exporting():
-            return  # the trace's own writes are undone, and replays are forward's writes
-        if name in module._parameters or name in module._buffers or name in module._modules:
-            # The engine's structure check sees (and names) a replacement on the next call; a
-            # note here would outlive FSDP2's swaps to the sharded parameter and back.
-            return
-        if (id(module.__dict__), name) not in self._guard_set:
+        """A write on the patched instance itself: counted when no graph notices it."""
+        if self.engine is not None and self.guards.ignores(module, name):
             with self.stats.lock:
                 self.stats.ignored_writes += 1
-
-    def paths(self) -> list[str]:
-        return [path for _, _, _, path in self.guards]
-
-    def adopt(self, root: torch.nn.Module, paths: list[str]) -> None:
-        """Guard attributes named by path (a graph loaded from disk was not exported here)."""
-        for path in paths:
-            owner_path, _, name = path.rpartition(".")
-            owner: Any = root
-            for part in owner_path.split(".") if owner_path else []:
-                owner = getattr(owner, part, None)
-            if owner is not None and name in getattr(owner, "__dict__", {}):
-                self._guard(owner, name, path)
-
-    def _guard(self, owner: Any, name: str, path: str) -> None:
-        key = (id(owner.__dict__), name)
-        if key not in self._guard_set:
-            self._guard_set.add(key)
-            self.guards.append((owner.__dict__, name, type(owner).__qualname__, path))
-            self._guard_owners.append(owner.__dict__)
-            self._guard_names.append(name)
-
-    def _recording_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """What the engine exports: forward, recording which plain attributes it reads and
-        writes. The trace's writes are undone; tensors it assigned come back from every call
-        of the graph (`Replay`), other changes send the class to PyTorch."""
-        reads: list[Read] = []
-        writes: list[Write] = []
-        with recording_access(module, reads, writes) as seen:
-            output = module.forward(*args, **kwargs)
-        for owner, name, path in () if in_untraced_run() else reads:  # a graph's reads only
-            if name == "training" and isinstance(owner, torch.nn.Module):
-                continue  # train flags are part of every key: a change reads as a mode change
-            self._guard(owner, name, path)
-        try:
-            replay = side_effects(
-                writes, seen, _same_guard, hazards.traced_constant, hazards.traced_detached
-            )
-        except Unreplayable as exc:
-            # Once may be a first call's setup; the same attribute again means every call.
-            self._refusals[exc.key] += 1
-            error = SideEffectError(
-                self.name,
-                f"{exc.what} (at {exc.where}): a graph reused on the next call would not do it "
-                "again",
-                "It runs in PyTorch; keep such state outside the selected module (or in a "
-                "buffer updated in place), or exclude the class (ORT_AUTOPATCH_EXCLUDE)",
-            )
-            error.once = self._refusals[exc.key] == 1
-            if not error.once:
-                self.unreplayable = error
-            raise error from None
-        if replay is None:
-            return output
-        replay.output = output
-        return replay
 
 
 def _fallback_remedies(name: str) -> str:
@@ -663,62 +450,6 @@ def _falls_back(policy: Fallback, exc: Exception) -> bool:
     ):
         return True
     return isinstance(exc, EngineError) and falls_back(policy, _FALLBACK_FOR_KIND[exc.kind])
-
-
-_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
-
-
-_IMMUTABLE_KINDS = (
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-    type,
-    enum.Enum,
-)
-
-
-def _same_guard(a: Any, b: Any) -> bool:
-    return bool(guard_value(a) == guard_value(b))
-
-
-def _immutable(value: Any) -> bool:
-    """Whether holding the same object means holding the same guard value (it cannot change
-    in place, or it is guarded by identity anyway)."""
-    kind = type(value)
-    if kind in _PLAIN_TYPES or isinstance(value, _IMMUTABLE_KINDS):
-        return True
-    if kind in (tuple, frozenset):
-        return all(map(_immutable, value))
-    if isinstance(value, torch.Tensor) or kind in (list, dict, set):
-        return False
-    return not _by_value(value)
-
-
-def guard_value(value: Any) -> Hashable:
-    """What a guard compares for an attribute value: plain values by value, tensors by identity,
-    version counter, shape, dtype and device (never by their elements: comparing tensors with
-    `!=` is ambiguous, and a graph baked the tensor's contents as of its version), containers
-    element by element, anything else by value when hashable and by identity otherwise."""
-    kind = type(value)
-    if kind in _PLAIN_TYPES:
-        return value
-    if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value._version, value.shape, value.dtype, value.device)
-    if kind in (tuple, list):
-        return (kind.__name__, tuple(map(guard_value, value)))
-    if kind is dict:
-        return ("dict", tuple((k, guard_value(v)) for k, v in value.items()))
-    return value if _by_value(value) else ("id", id(value))
-
-
-def _by_value(value: Any) -> bool:
-    try:
-        hash(value)
-        equal = value == value  # some types compare to arrays (numpy) or raise
-    except Exception:
-        return False
-    return type(equal) is bool
 
 
 # -- calls ORT cannot take ---------------------------------------------------------------------

@@ -6,11 +6,20 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ort_autopatch.engine.hazards import Hazard
+    from ort_autopatch.engine.recipe import BuildRecord
+    from ort_autopatch.engine.verify import Verification
 
 
 @dataclass
 class ClassStats:
+    """One selected class's counters. Also the engine's listener (`engine/events.py`) for
+    every instance of the class: builds, trace hazards and `--verify` comparisons are counted
+    as the engine tells them."""
+
     instances: int = 0
     ort_calls: int = 0
     compiled_calls: int = 0  # calls torch.compile ran (torch.compile(model), model.compile())
@@ -36,6 +45,38 @@ class ClassStats:
     unverified: Counter[str] = field(default_factory=Counter)
     # Threads share a class's counters; `+=` on them is not atomic.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def built(self, record: BuildRecord) -> None:
+        with self.lock:
+            if record.from_disk:
+                self.cache_loads += 1
+            else:
+                self.exports += 1
+            self.export_seconds += record.export_seconds
+            self.build_seconds += record.build_seconds
+            for label, count in record.torch_nodes.items():
+                self.torch_nodes[label] = max(self.torch_nodes[label], count)
+            if record.reason != "first call":
+                self.rebuilds[record.reason] += 1
+            if record.per_shape:
+                self.per_shape_graphs += 1
+            if record.hot_shape:
+                self.static_shape_graphs += 1
+
+    def found(self, hazard: Hazard) -> None:
+        with self.lock:
+            self.trace_hazards[(hazard.kind, hazard.what, hazard.where)] += 1
+
+    def verified(self, verification: Verification) -> None:
+        with self.lock:
+            if verification.unverified is not None:
+                self.unverified[verification.unverified] += 1
+                return
+            self.verified_calls += 1
+            self.verify_mismatches += verification.mismatch is not None
+            for name in ("output_diff", "output_rel", "grad_diff", "grad_rel"):
+                value = getattr(verification, name)
+                self.verify_worst[name] = max(self.verify_worst.get(name, 0.0), value)
 
     def as_dict(self) -> dict[str, Any]:
         """The per-class keys of the report (docs/report.md)."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ort_autopatch import patcher, report
+from ort_autopatch import attribute_guards, patcher, report
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.callkey import CallKey, KeyMaker
 from ort_autopatch.engine.module_engine import ModuleEngine
@@ -105,7 +105,7 @@ class Attribute:
         self.owner, self.name = owner, name
 
     def values(self) -> tuple[object, ...]:
-        return (patcher.guard_value(getattr(self.owner, self.name)),)
+        return (attribute_guards.guard_value(getattr(self.owner, self.name)),)
 
     def labels(self) -> list[str]:
         return [f"{type(self.owner).__name__}.{self.name}"]

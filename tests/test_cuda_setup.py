@@ -12,20 +12,20 @@ import types
 import pytest
 import torch
 
-from ort_autopatch import cli
+from ort_autopatch import cli_check
 from ort_autopatch.config import load_config
 from ort_autopatch.engine import backend, runtime, session
 from ort_autopatch.engine.errors import UnsupportedDeviceError
 
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, torch_cuda: str | None, ort_cuda: str | None):
-    monkeypatch.setattr(cli, "_torch_cuda", lambda: torch_cuda)
+    monkeypatch.setattr(cli_check, "_torch_cuda", lambda: torch_cuda)
     monkeypatch.setattr(runtime, "cuda_version", lambda: ort_cuda)
 
 
 def _check_text(monkeypatch: pytest.MonkeyPatch, torch_cuda: str | None, ort_cuda: str | None):
     _fake_cuda(monkeypatch, torch_cuda, ort_cuda)
-    return cli.check(load_config(environ={}))
+    return cli_check.check(load_config(environ={}))
 
 
 def test_check_says_when_torch_and_onnx_runtime_are_built_for_different_cuda_majors(

@@ -292,6 +292,11 @@ def backend_class(name: str) -> type[Backend]:
     return found
 
 
+def doctor(name: str, options: EngineOptions) -> list[tuple[str, str]]:
+    """`--check`'s lines of the backend `name` of its own (`Backend.doctor`)."""
+    return backend_class(name).doctor(options)
+
+
 @functools.cache
 def choose(name: str | None = None) -> type[Backend]:
     """The class of the backend `resolve(name)` picks. Decided once per process and name:

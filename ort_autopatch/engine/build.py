@@ -33,6 +33,7 @@ from ort_autopatch.engine.errors import (
     SessionError,
     UnsupportedModelError,
 )
+from ort_autopatch.engine.events import BuildListener
 from ort_autopatch.engine.persist import Persistence
 from ort_autopatch.engine.recipe import BuildRecord, EngineOptions, Miss, Recipe
 
@@ -47,7 +48,8 @@ _MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(")
 
 class Builder:
     """Builds the graphs of one module instance through its backend; `records` says what
-    each build cost and why it happened."""
+    each build cost and why it happened, and `listener` hears of each record and of each
+    hazard the backend's traces find."""
 
     def __init__(
         self,
@@ -57,6 +59,7 @@ class Builder:
         keys: KeyMaker,
         persistence: Persistence,
         settings: session.SessionSettings,
+        listener: BuildListener,
         backward_failed: Callable[[ExecutionError], None] | None = None,
     ) -> None:
         self._cls = cls
@@ -66,6 +69,7 @@ class Builder:
         self._keys = keys
         self._persistence = persistence
         self.settings = settings
+        self._listener = listener
         self.records: list[BuildRecord] = []
         #: comparisons with eager: first calls (`Backend.verifies_first_call`) and --verify's
         self.verifications: list[verify.Verification] = []
@@ -119,11 +123,23 @@ class Builder:
                         )
                     else:
                         self._record(
-                            reason, 0.0, time.perf_counter() - start, entry, from_disk=True
+                            BuildRecord(
+                                reason,
+                                0.0,
+                                time.perf_counter() - start,
+                                entry.recipe.has_backward,
+                                from_disk=True,
+                                dynamic=guards is not None and guards.is_dynamic,
+                            ),
+                            entry,
                         )
-                        self.records[-1].dynamic = guards is not None and guards.is_dynamic
                         return entry
-            recipe, export_seconds = self.backend.build(miss, progress)
+            known = len(self.backend.hazards)
+            try:
+                recipe, export_seconds = self.backend.build(miss, progress)
+            finally:  # a refused trace (data-dependent, say) found hazards too
+                for hazard in self.backend.hazards[known:]:
+                    self._listener.found(hazard)
             budget.check("before creating its ONNX Runtime session")
             progress.phase = "session"
             entry = self._instantiate(recipe, miss, progress)
@@ -132,14 +148,20 @@ class Builder:
                 # built, for a call of the same key; `--verify N` still compares.
                 progress.phase = "checking the first call against eager"
                 self._check_first_call(entry, miss)
-            self._record(
-                reason, export_seconds, time.perf_counter() - start - export_seconds, entry
-            )
-            per_shape = miss.per_shape or self.learned.per_shape
-            self.records[-1].per_shape = per_shape
-            self.records[-1].hot_shape = miss.hot is not None and not per_shape
             guards = entry.recipe.size_guards
-            self.records[-1].dynamic = guards is not None and guards.is_dynamic
+            per_shape = miss.per_shape or self.learned.per_shape
+            self._record(
+                BuildRecord(
+                    reason,
+                    export_seconds,
+                    time.perf_counter() - start - export_seconds,
+                    entry.recipe.has_backward,
+                    per_shape=per_shape,
+                    hot_shape=miss.hot is not None and not per_shape,
+                    dynamic=guards is not None and guards.is_dynamic,
+                ),
+                entry,
+            )
         # Recomputed: the build may have switched to the call's own shapes.
         self._persistence.save(
             miss.module,
@@ -168,7 +190,7 @@ class Builder:
             )
         except verify.VerificationError as exc:
             if exc.verification is not None:
-                self.verifications.append(exc.verification)
+                self.verified(exc.verification)
             raise
         except EngineError:
             raise  # the graph's own failure: the caller's fallback policy takes the call
@@ -180,7 +202,12 @@ class Builder:
                 "%s: the first call's check against eager could not be made (%s)", self._cls, why
             )
             result = verify.Verification(unverified=why)
+        self.verified(result)
+
+    def verified(self, result: verify.Verification) -> None:
+        """File a comparison with eager (a first call's, or --verify's), and tell it."""
         self.verifications.append(result)
+        self._listener.verified(result)
 
     def _persistent_key(self, miss: Miss, shapes: Shapes | None = None) -> str | None:
         """The on-disk key of the graph built for `miss` (for `shapes`, when the build found
@@ -194,20 +221,19 @@ class Builder:
         )
         return self._persistence.key(miss.module, miss.state, key, miss.device)
 
-    def _record(
-        self, reason: str, export_s: float, build_s: float, entry: Entry, from_disk: bool = False
-    ) -> None:
-        grad = entry.recipe.has_backward
-        nodes = dict(entry.program.torch_nodes)
-        self.records.append(BuildRecord(reason, export_s, build_s, grad, from_disk, nodes))
+    def _record(self, record: BuildRecord, entry: Entry) -> None:
+        """Keep `record` of the build of `entry` (with its torch-calling nodes), and tell it."""
+        record.torch_nodes = dict(entry.program.torch_nodes)
+        self.records.append(record)
+        self._listener.built(record)
         log.debug(
             "%s: %s %s graph (%s) in %.3fs export + %.3fs build",
             self._cls,
-            "loaded" if from_disk else "built",
-            "training" if grad else "inference",
-            reason,
-            export_s,
-            build_s,
+            "loaded" if record.from_disk else "built",
+            "training" if record.has_backward else "inference",
+            record.reason,
+            record.export_seconds,
+            record.build_seconds,
         )
 
     def _uses_arena(self, miss: Miss) -> bool:

@@ -123,14 +123,6 @@ class DataDependentError(UnsupportedModelError):
     reason = "data-dependent control flow"
 
 
-class SideEffectError(UnsupportedModelError):
-    """forward changes state (a Python attribute, a container in place) that a graph reused on
-    the next call would not change again."""
-
-    reason = "forward changes state a graph cannot replay"
-    once = False  # the first refusal for this attribute (the caller may trace again)
-
-
 class BuildOverBudget(EngineError):
     """Building a graph would cost more than the calls it could speed up (engine/budget.py)."""
 

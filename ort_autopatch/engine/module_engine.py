@@ -19,7 +19,6 @@ import torch
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
     budget,
-    hazards,
     persist,
     session,
     signature,
@@ -38,6 +37,7 @@ from ort_autopatch.engine.errors import (
     MixedDevicesError,
     SessionError,
 )
+from ort_autopatch.engine.events import BuildListener, Unheard
 from ort_autopatch.engine.recipe import BuildRecord, EngineOptions, Miss, Recipe
 from ort_autopatch.engine.state import ModuleState
 
@@ -63,7 +63,8 @@ class ModuleEngine:
     writes are the caller's to handle (the patcher's recording forward undoes and replays them,
     `recording.py`): with the default forward, a graph does not repeat them.
     With `weak=True` the engine holds its module only weakly, so an engine cached per instance
-    (in a WeakKeyDictionary, as the patcher does) never keeps a model alive.
+    (in a WeakKeyDictionary, as the patcher does) never keeps a model alive. `listener` is told
+    of every build, trace hazard and `--verify` comparison as it happens (`events.py`).
     """
 
     def __init__(
@@ -74,8 +75,10 @@ class ModuleEngine:
         guards: Guards | None = None,
         weak: bool = False,
         backward_failed: Callable[[ExecutionError], None] | None = None,
+        listener: BuildListener | None = None,
     ) -> None:
         self.options = options or EngineOptions()
+        self._listener = listener or Unheard()
         self._backward_failed = backward_failed
         # a training graph's backward failed: its forward had run in ORT, so that step could
         # not run in PyTorch instead, but every later training call does
@@ -112,12 +115,12 @@ class ModuleEngine:
                 guards,
             ),
             session.SessionSettings(self.options.threads),
+            self._listener,
             self._on_backward_failure,
         )
         self.records: list[BuildRecord] = self._builder.records
         # comparisons with eager: the backend's first-call checks and --verify's
         self.verifications: list[verify.Verification] = self._builder.verifications
-        self.hazards: list[hazards.Hazard] = self._backend.hazards  # trace hazards found
 
     @property
     def settings(self) -> session.SessionSettings:
@@ -425,7 +428,7 @@ class ModuleEngine:
             result = verify.verify_entry(self._cls, module, entry, state, call, grad, self._forward)
         except verify.VerificationError as exc:
             if exc.verification is not None:
-                self.verifications.append(exc.verification)
+                self._builder.verified(exc.verification)
             self._cache.fail(key, exc)
             raise
         except EngineError:
@@ -435,6 +438,6 @@ class ModuleEngine:
             # and the report says why it was not verified, instead of an error in their run.
             why = f"verification failed: {type(exc).__name__}: {exc}"
             log.warning("%s: %s", self._cls, why)
-            self.verifications.append(verify.Verification(unverified=why))
+            self._builder.verified(verify.Verification(unverified=why))
             return
-        self.verifications.append(result)
+        self._builder.verified(result)

@@ -275,7 +275,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_launcher.py")
     session.run("python", "benchmarks/bench_dispatch.py")
     session.run("python", "benchmarks/bench_export_paths.py")
-    session.run("python", "benchmarks/bench_cache.py")
+    session.run("python", "benchmarks/bench_cache.py")  # warm first call: median of 7
+    session.run("python", "benchmarks/bench_loops.py", "--backend", "ort-training")
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/zoo", env=ZOO_ENV)
     session.run("python", "benchmarks/render_engine.py")
     session.run("python", "benchmarks/render_zoo.py")
@@ -291,6 +292,8 @@ def bench_plain(session: nox.Session) -> None:
     _install_plain(session, "psutil")
     _compile_bytecode(session)
     session.run("python", "benchmarks/bench_plain.py", *session.posargs)
+    session.run("python", "benchmarks/bench_cache.py", "--backend", "ort")
+    session.run("python", "benchmarks/bench_loops.py", "--backend", "ort")
     session.run("python", "benchmarks/render_engine.py")
 
 

@@ -1,10 +1,12 @@
 """First call with a cold and a warm persistent graph cache, each in a fresh process.
 
-    python benchmarks/bench_cache.py [--runs 3] [--backend ort]
+    python benchmarks/bench_cache.py [--runs 7] [--backend ort]
 
 The build time is what the engine spends on a cache miss (export + gradient build + session,
-or loading the stored graphs + session); the first call adds the first forward and backward.
-Target: warm build <= 25 % of cold for the TransformerEncoderLayer. Results:
+or loading the stored graphs + session); the first call adds the engine's making (where the
+backend is imported, as a patched class's first call does), the first forward and backward.
+Targets for the TransformerEncoderLayer: warm build <= 25 % of cold, warm first call <= 0.2 s
+(median of the fresh processes, on both backends). Results:
 benchmarks/results/cache.json (`--backend ort`, the plain backend: cache_ort.json).
 """
 
@@ -32,8 +34,10 @@ from ort_autopatch.engine import EngineOptions, ModuleEngine
 torch.manual_seed(0)
 layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True)
 x = torch.randn(16, 64, 256)
-engine = ModuleEngine(layer, EngineOptions(cache_dir=sys.argv[1], backend=sys.argv[2]))
+# timed from the engine's making on: a patched class makes it at its first call (and with it
+# imports the backend)
 start = time.perf_counter()
+engine = ModuleEngine(layer, EngineOptions(cache_dir=sys.argv[1], backend=sys.argv[2]))
 engine(x).sum().backward()
 first = time.perf_counter() - start
 record = engine.records[0]
@@ -55,7 +59,7 @@ def _child(script: Path, cache: Path, backend: str) -> tuple[float, float, bool]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--backend", default="auto", choices=("auto", "ort", "ort-training"))
     args = parser.parse_args()
     cold_first, cold_build, warm_first, warm_build = [], [], [], []
@@ -82,6 +86,7 @@ def main() -> None:
         ),
         "cold_first_call_s": round(statistics.median(cold_first), 4),
         "warm_first_call_s": round(statistics.median(warm_first), 4),
+        "warm_first_call_range_s": [round(min(warm_first), 4), round(max(warm_first), 4)],
         "runs": args.runs,
     }
     output = RESULTS if args.backend != "ort" else RESULTS.with_name("cache_ort.json")

@@ -303,6 +303,60 @@ def test_a_second_process_hits_and_an_edited_model_file_misses(tmp_path: Path) -
     assert edited.split()[0] == "False" and edited.split()[1] != cold.split()[1]
 
 
+WARM_SCRIPT = """
+import json, sys, torch
+from torch import nn
+from ort_autopatch.engine import EngineOptions, ModuleEngine
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    def forward(self, x):
+        return self.layer(x)
+
+torch.manual_seed(0)
+model = Net()
+engine = ModuleEngine(model, EngineOptions(cache_dir=sys.argv[1]))
+before = set(sys.modules)
+x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(1))
+out = engine(x)
+out.sum().backward()
+grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+expected = model.layer(x)
+expected.sum().backward()
+print(json.dumps({
+    "from_disk": [r.from_disk for r in engine.records],
+    "in_ort": type(out.grad_fn).__name__ == "GraphFunctionBackward",
+    "output_diff": (out - expected).abs().max().item(),
+    "grad_diff": max((g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters())),
+    "imported": sorted(m for m in set(sys.modules) - before
+        if m.split(".")[0] in ("onnx", "onnxscript", "onnx_ir")
+        or m.startswith(("torch.onnx", "torch._functorch.aot_autograd", "torch._dynamo"))),
+}))
+"""
+
+
+def test_a_fresh_process_loads_a_stored_graph_without_onnx_or_the_exporter(
+    tmp_path: Path,
+) -> None:
+    """A cache hit finds its entry from a key computed without tracing, and makes its
+    sessions without parsing ONNX (onnx's import alone is half a second): a transformer
+    layer whose gradient nodes run in torch, on either backend."""
+    import json
+
+    script = tmp_path / "warm.py"
+    script.write_text(WARM_SCRIPT)
+    runs = [json.loads(_run(script, tmp_path / "cache").splitlines()[-1]) for _ in range(3)]
+    for found in runs:
+        assert found["in_ort"]
+        assert found["output_diff"] < 1e-4 and found["grad_diff"] < 1e-3, found
+    assert [r["from_disk"] for r in runs] == [[False], [True], [True]]
+    assert runs[0]["imported"]  # the build exported
+    assert runs[1]["imported"] == runs[2]["imported"] == []
+
+
 def test_two_processes_writing_at_once_leave_a_loadable_entry(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))

@@ -179,7 +179,7 @@ def _first_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[Any]:
 
     # a child every build, however busy the machine
     monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
-    monkeypatch.setattr(offload, "_core_to_spare", lambda: True)
+    monkeypatch.setattr(offload, "_core_to_spare", lambda probe=None: True)
     answers: list[Any] = []
     lower = offload.Lowerer.lower
 
@@ -246,19 +246,47 @@ def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
 
 
 def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No child where no core is free: its extra CPU would slow both processes down."""
+    """No child where no core is free now: its extra CPU would slow both processes down. What
+    decides is the CPUs' idle time over a short window (/proc/stat), less this process's own
+    CPU time, never the 1-minute load average, which lags a minute behind."""
     import os
 
     from ort_autopatch.engine.backends.ort import offload
 
     monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_quota_cores", lambda: None)
+    monkeypatch.setattr(offload, "WINDOW_SECONDS", 0.0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    clock = iter(range(10**6))
+
+    def ticks(busy: float) -> object:
+        # (idle, total) so far: each reading 100 more ticks, `busy` of them not idle
+        def read(cpus: set[int]) -> tuple[int, int]:
+            k = next(clock)
+            return int(k * 100 * (1 - busy)), k * 100
+
+        return read
+
+    # an idle load average does not let the child on while the other core is busy now
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(offload, "_cpu_ticks", ticks(busy=0.95))
     assert offload.Lowerer.start() is None
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    # a high load average (a job that just ended) does not keep it off when the CPUs idle
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(offload, "_cpu_ticks", ticks(busy=0.1))
     lowerer = offload.Lowerer.start()
     assert lowerer is not None
     lowerer.close()
+    # without /proc/stat, the load average decides
+    monkeypatch.setattr(offload, "_cpu_ticks", lambda cpus: None)
+    assert offload.Lowerer.start() is None
+
+
+def test_the_probe_reads_this_machines_cpus() -> None:
+    from ort_autopatch.engine.backends.ort import offload
+
+    probe = offload._CoreProbe.begin()
+    assert probe.cpus and isinstance(probe.free(), bool)
 
 
 _FRESH = """
@@ -269,7 +297,7 @@ from ort_autopatch.engine import ModuleEngine
 from ort_autopatch.engine.backends.ort import offload
 from ort_autopatch.engine.recipe import EngineOptions
 
-offload._core_to_spare = lambda: True  # however busy the machine running the tests
+offload._core_to_spare = lambda probe=None: True  # however busy the machine running the tests
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -6,6 +6,8 @@ Layout under the cache folder (created 0700):
     <static key>/<full key>.json        the recipe: feeds, outputs, gradient info (JSON)
     <static key>/<full key>.<part>.onnx the graphs: the export after the passes, the gradient
                                         graph, and ORT's optimised form of the one that runs
+    derived/<key>.json, <key>.*.onnx    what a backend derives from a stored graph (facts read
+                                        from its ONNX, a rewritten form), keyed by its digest
 
 The static key covers what decides a graph apart from attribute values (class sources, state
 names/shapes/dtypes, input signature, mode, opset, pass version, torch/ORT versions); the full
@@ -35,6 +37,9 @@ log = logging.getLogger("ort_autopatch")
 
 FORMAT = 1
 DEFAULT_MAX_BYTES = 2 * 1024**3
+#: the folder of what a backend derives from stored graphs (read back like entries, under
+#: keys of its own; not an entry: `clear` removes it without counting it)
+DERIVED = "derived"
 
 
 def digest(payload: Any) -> str:
@@ -156,7 +161,7 @@ class GraphStore:
         for child in self.root.iterdir():
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
-                count += 1
+                count += child.name != DERIVED
         return count
 
     # -- helpers -----------------------------------------------------------------------------

@@ -52,12 +52,12 @@ class Small(nn.Module):
         return self.fc(x)
 
 
-def test_a_checksummed_but_invalid_graph_is_rejected_by_the_checker(tmp_path: Path) -> None:
+def test_a_checksummed_but_invalid_graph_is_rebuilt(tmp_path: Path) -> None:
     persist._stores.clear()
     model = Small()
     ModuleEngine(model, EngineOptions(cache_dir=tmp_path))(torch.randn(3, 4))
     # Replace every stored graph by an invalid one with a matching checksum: only the checker
-    # can tell.
+    # can tell, or ONNX Runtime as it loads it (a cache hit does not import onnx to check).
     bad = store_invalid_graphs(tmp_path)
     with pytest.raises(onnx.checker.ValidationError):
         onnx.checker.check_model(onnx.load_from_string(bad))

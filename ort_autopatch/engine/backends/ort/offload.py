@@ -45,6 +45,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -365,14 +366,97 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
         send(program.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
 
 
-def _core_to_spare() -> bool:
-    """Whether a core of this process's is idle enough for a child to help: the 1-minute load
-    average (this process counts 1) stays below the CPU count. Measured on 2 shared cores
+#: The shortest window over which CPU use is read (`/proc/stat` counts in 10 ms ticks).
+WINDOW_SECONDS = 0.05
+#: A core counts as free for the child when other processes leave at least this much of the
+#: CPUs this process may use idle, besides the core this process itself keeps busy.
+FREE_CORE = 0.7
+
+
+def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
+    """(idle, total) ticks of `cpus` so far, from /proc/stat; None where it cannot be read."""
+    idle = total = 0
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *fields = line.split()
+                if int(name[3:]) not in cpus:
+                    continue
+                ticks = [
+                    int(f) for f in fields[:8]
+                ]  # user nice system idle iowait irq softirq steal
+                idle += ticks[3] + ticks[4]
+                total += sum(ticks)
+    except (OSError, ValueError):
+        return None
+    return (idle, total) if total else None
+
+
+def _quota_cores() -> float | None:
+    """The cgroup's CPU quota in cores (cgroup v2 `cpu.max`), None when unlimited or unknown."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as limit:
+            quota, period = limit.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+class _CoreProbe:
+    """Whether a core is free for the child, read from what the CPUs do now: the idle time of
+    the CPUs this process may run on (`/proc/stat`) over a short window, less the CPU time
+    this process spent in it. The 1-minute load average that decided before lags a minute
+    behind both ways (a job that just stopped keeps the child off, one that just started lets
+    it on). Where /proc/stat cannot be read, the load average decides as before.
+
+    `begin` starts the window; `free` ends it, after work this process does anyway (the
+    imports both sides share), waiting only for what is left of `WINDOW_SECONDS`."""
+
+    def __init__(self) -> None:
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.cpus = set(affinity) if affinity else set(range(os.cpu_count() or 1))
+        self._start = time.perf_counter()
+        self._own = time.process_time()
+        self._ticks = _cpu_ticks(self.cpus)
+
+    @classmethod
+    def begin(cls) -> _CoreProbe:
+        return cls()
+
+    def free(self) -> bool:
+        cores = len(self.cpus)
+        quota = _quota_cores()
+        if quota is not None:
+            cores = min(cores, int(quota))
+        if cores < 2:
+            return False
+        if self._ticks is None:
+            return os.getloadavg()[0] < cores
+        wait = WINDOW_SECONDS - (time.perf_counter() - self._start)
+        if wait > 0:
+            time.sleep(wait)
+        ticks = _cpu_ticks(self.cpus)
+        elapsed = time.perf_counter() - self._start
+        if ticks is None or ticks[1] <= self._ticks[1]:
+            return os.getloadavg()[0] < cores
+        idle, total = ticks[0] - self._ticks[0], ticks[1] - self._ticks[1]
+        busy = len(self.cpus) * (1 - idle / total)  # cores busy in the window, this one's too
+        own = (time.process_time() - self._own) / elapsed
+        others = max(busy - own, 0.0)
+        log.debug("lowering child: %.2f cores busy elsewhere of %d", others, cores)
+        # this process keeps one core busy (the trace): the child needs another one idle
+        return cores - 1 - others >= FREE_CORE
+
+
+def _core_to_spare(probe: _CoreProbe | None = None) -> bool:
+    """Whether a core of this process's is idle enough for a child to help, over the window
+    `probe` began (`_CoreProbe`; None: one beginning now). Measured on 2 shared cores
     (TransformerEncoderLayer, cold first call, median of 5): at load 1.5 to 2, 2.19 s with the
     child against 2.85 s without; at load 7, 11.6 s against 10.5 s (the child's own CPU, the
     fork and the encoding delay both processes when no core is free)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cpus is not None and cpus >= 2 and os.getloadavg()[0] < cpus
+    return (probe or _CoreProbe.begin()).free()
 
 
 class Lowerer:
@@ -388,10 +472,13 @@ class Lowerer:
         """A child importing the exporter now; None where forking is unavailable, where this
         process has imported the exporter already (lowering here costs no import), or where
         no core is free for the child (`_core_to_spare`)."""
-        if _EXPORTER in sys.modules or not _core_to_spare():
+        if _EXPORTER in sys.modules:
             return None
+        probe = _CoreProbe.begin()
         for name in _SHARED:  # once, before the fork, rather than once on each side
             importlib.import_module(name)
+        if not _core_to_spare(probe):
+            return None
         return cls.spawn()
 
     @classmethod

@@ -42,16 +42,13 @@ def build_inference(
     optimized: bool = False,
     capture: bool = False,
 ) -> InferenceProgram:
-    import onnx
-
     _, capi = runtime.load(training=False)
-    graph = onnx.load_from_string(model_bytes).graph
     stream = compute_stream(device)
     session, captured = create(
         model_bytes, device, settings, cls, False, optimized, capture, stream
     )
     feeds = [i.name for i in session.get_inputs()]
-    fetches = [o.name for o in graph.output]
+    fetches = [o.name for o in session.get_outputs()]  # the graph's outputs, in order
     return InferenceProgram(
         session=session,
         feed_names=feeds,
@@ -279,6 +276,64 @@ def untrainable(cls: str, found: dict[str, list[str]]) -> UnsupportedInputError:
     )
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What an agent needs to know of the graph it runs, read from its ONNX (`graph_facts`):
+    plain data, so a process that loads a stored graph can be told it without parsing the
+    graph (which needs `onnx`, about half a second to import)."""
+
+    feeds: list[str]
+    fetches: list[str]
+    backward_reads_feeds: tuple[int, ...]
+    backward_reads_outputs: tuple[int, ...]
+    python_nodes: bool
+    torch_nodes: dict[str, int]  # torch-calling nodes by label (`nodes.Inventory`)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "feeds": self.feeds,
+            "fetches": self.fetches,
+            "backward_reads_feeds": list(self.backward_reads_feeds),
+            "backward_reads_outputs": list(self.backward_reads_outputs),
+            "python_nodes": self.python_nodes,
+            "torch_nodes": self.torch_nodes,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> GraphFacts:
+        return cls(
+            feeds=[str(n) for n in meta["feeds"]],
+            fetches=[str(n) for n in meta["fetches"]],
+            backward_reads_feeds=tuple(int(k) for k in meta["backward_reads_feeds"]),
+            backward_reads_outputs=tuple(int(k) for k in meta["backward_reads_outputs"]),
+            python_nodes=bool(meta["python_nodes"]),
+            torch_nodes={str(k): int(v) for k, v in dict(meta["torch_nodes"]).items()},
+        )
+
+
+def graph_facts(model: bytes, num_outputs: int) -> GraphFacts:
+    """The facts of a gradient graph (or ORT's optimised form of it) whose YieldOp hands
+    out `num_outputs` user outputs first."""
+    import onnx
+
+    from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
+
+    proto = onnx.load_from_string(model)
+    feeds = [i.name for i in proto.graph.input]
+    read = backward_reads(proto.graph)
+    yielded = next((list(n.input) for n in proto.graph.node if n.op_type == "YieldOp"), [])
+    return GraphFacts(
+        feeds=feeds,
+        fetches=[o.name for o in proto.graph.output],
+        backward_reads_feeds=tuple(k for k, name in enumerate(feeds) if read(name)),
+        backward_reads_outputs=tuple(
+            k for k, name in enumerate(yielded[:num_outputs]) if read(name)
+        ),
+        python_nodes=any(n.op_type == "PythonOp" for n in proto.graph.node),
+        torch_nodes=nodes.Inventory.of(proto).counts,
+    )
+
+
 def build_training(
     gradient: GradientGraph,
     device: torch.device,
@@ -286,19 +341,20 @@ def build_training(
     cls: str,
     optimized: bytes | None = None,
     capture: bool = False,
+    facts: GraphFacts | None = None,
 ) -> TrainingProgram:
-    """A session and a TrainingAgent over a gradient graph (or ORT's optimised form of it)."""
-    import onnx
-
+    """A session and a TrainingAgent over a gradient graph (or ORT's optimised form of it);
+    `facts`: the graph's (`graph_facts`), when known without reading it."""
     _, capi = runtime.load()
     model = optimized or gradient.model
-    proto = onnx.load_from_string(model)
+    if facts is None:
+        facts = graph_facts(model, gradient.num_outputs)
     stream = compute_stream(device)
     session, captured = create(
         model, device, settings, cls, True, optimized is not None, capture, stream
     )
-    fw_feeds = [i.name for i in proto.graph.input]
-    bw_fetches = [o.name for o in proto.graph.output]
+    fw_feeds = facts.feeds
+    bw_fetches = facts.fetches
     dev = ort_device(device)
     try:
         agent = capi.TrainingAgent(
@@ -315,8 +371,6 @@ def build_training(
         ) from exc
     position = {name: k for k, name in enumerate(bw_fetches)}
     grad_index = [position.get(gradient.grad_of.get(name, ""), -1) for name in fw_feeds]
-    read = backward_reads(proto.graph)
-    yielded = next((list(n.input) for n in proto.graph.node if n.op_type == "YieldOp"), [])
     return TrainingProgram(
         agent=agent,
         session=session,
@@ -325,13 +379,11 @@ def build_training(
         non_differentiable=frozenset(gradient.non_differentiable),
         full_shape_grads=frozenset(gradient.full_shape_grads),
         grad_index=grad_index,
-        backward_reads_feeds=tuple(k for k, name in enumerate(fw_feeds) if read(name)),
-        backward_reads_outputs=tuple(
-            k for k, name in enumerate(yielded[: gradient.num_outputs]) if read(name)
-        ),
+        backward_reads_feeds=facts.backward_reads_feeds,
+        backward_reads_outputs=facts.backward_reads_outputs,
         optimized=captured,
         stream=stream,
-        python_nodes=any(n.op_type == "PythonOp" for n in proto.graph.node),
+        python_nodes=facts.python_nodes,
     )
 
 

@@ -22,8 +22,9 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -33,13 +34,14 @@ from ort_autopatch.engine import (
     dlpack,
     graph_function,
     hazards,
+    persist,
     random_ops,
     rng,
     runtime,
     session,
 )
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
-from ort_autopatch.engine.backends.ort_training import agent, export, graph, heap, passes
+from ort_autopatch.engine.backends.ort_training import agent, heap
 from ort_autopatch.engine.backends.ort_training.run import (
     BatchNormUpdate,
     RunEffects,
@@ -59,6 +61,10 @@ from ort_autopatch.engine.recipe import EngineOptions, Miss, Recipe
 from ort_autopatch.engine.shape_policy import DynamicGraphs, ShapePolicy
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.state import ModuleState
+from ort_autopatch.engine.store import DERIVED, StoredEntry, digest, digest_bytes
+
+if TYPE_CHECKING:
+    from ort_autopatch.engine.backends.ort_training import export
 
 log = logging.getLogger("ort_autopatch")
 
@@ -140,6 +146,8 @@ class _Training:
         if made is None:
             return
         program, model = made
+        from ort_autopatch.engine.backends.ort_training import graph
+
         if list(program.feed_names) != list(self.feed_names):  # the entry's feeds follow these
             log.debug("%s: the executor's graph takes other feeds; kept ORT's", upgrade.cls)
             return
@@ -218,6 +226,7 @@ class OrtTrainingBackend(Backend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._derived = _Derived(self.options.cache_dir)
         # operators learned to need torch-calling nodes, so later exports start with them
         self._routed: frozenset[str] = frozenset(self.options.torch_ops)
 
@@ -272,9 +281,10 @@ class OrtTrainingBackend(Backend):
                 full_shape_grads=[int(i) for i in g["full_shape_grads"]],
                 grad_of={str(k): str(v) for k, v in g["grad_of"].items()},
             )
-        optimized = graphs.get("optimized")
-        _check(optimized or (gradient.model if gradient is not None else graphs["forward"]))
-        return OrtTrainingPayload(gradient, optimized)
+        # No `onnx.checker` (its import alone costs half a second): the store's checksums say
+        # these are the bytes this tool wrote, and ONNX Runtime refuses an invalid graph as it
+        # loads it, which the engine then builds again.
+        return OrtTrainingPayload(gradient, graphs.get("optimized"))
 
     # -- building ----------------------------------------------------------------------------
     def build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
@@ -284,6 +294,8 @@ class OrtTrainingBackend(Backend):
         return self._build(miss, progress)
 
     def _build(self, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
+        from ort_autopatch.engine.backends.ort_training import graph
+
         dynamic = miss.shapes is None
         try:
             exported = self._export(miss, progress, dynamic=dynamic)
@@ -332,6 +344,7 @@ class OrtTrainingBackend(Backend):
     ) -> tuple[Recipe, export.ExportedGraph]:
         """The recipe; when ORT cannot differentiate an operator, the ATen operators whose
         export produced it become torch-calling nodes and the call is exported again."""
+        from ort_autopatch.engine.backends.ort_training import graph
         from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
 
         device = miss.device
@@ -375,6 +388,7 @@ class OrtTrainingBackend(Backend):
         dynamic: bool,
         routed: frozenset[str] | None = None,
     ) -> export.ExportedGraph:
+        from ort_autopatch.engine.backends.ort_training import export
         from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
 
         forward, module, call = self.forward, miss.module, miss.call
@@ -411,6 +425,8 @@ class OrtTrainingBackend(Backend):
 
     def _recipe(self, miss: Miss, exported: export.ExportedGraph, model: Any) -> Recipe:
         """Apply the graph passes (and the gradient build) to a fresh export."""
+        from ort_autopatch.engine.backends.ort_training import graph, passes
+
         state, call, grad = miss.state, miss.call, miss.has_backward
         refusal = amp.cpu_refusal(model, miss.autocast)
         if refusal is not None:
@@ -519,22 +535,33 @@ class OrtTrainingBackend(Backend):
             shapes = _input_shapes(recipe, miss.call)
             swapped, compiling = self._for_device(payload.gradient, shapes, miss.device, progress)
             program = None
+            counts = recipe.torch_nodes
             if swapped is not None:
+                facts = self._derived.facts(swapped)
                 # ORT's optimised graph would name this process's callables: never stored
                 try:
-                    program = agent.build_training(swapped, device, settings, cls, None, False)
+                    program = agent.build_training(
+                        swapped, device, settings, cls, None, False, facts
+                    )
+                    counts = facts.torch_nodes
                 except SessionError as exc:
                     # ORT's own shape inference disagrees with the swapped nodes: its kernels
                     log.debug("%s: gradient nodes stay ORT's (%s)", cls, exc)
                     swapped, compiling = None, False
             if program is None:
+                runs = payload.gradient
+                if payload.optimized is not None:
+                    runs = dataclasses.replace(runs, model=payload.optimized)
                 program = agent.build_training(
-                    payload.gradient, device, settings, cls, payload.optimized, capture
+                    payload.gradient,
+                    device,
+                    settings,
+                    cls,
+                    payload.optimized,
+                    capture,
+                    self._derived.facts(runs),
                 )
                 payload.optimized = payload.optimized or program.optimized
-            counts = recipe.torch_nodes
-            if swapped is not None:
-                counts = nodes.Inventory.of(graph.load(swapped.model)).counts
             ran = swapped or payload.gradient
             kept = _kept(recipe, program.feed_names)
             upgrade = None
@@ -593,6 +620,9 @@ class OrtTrainingBackend(Backend):
         )
 
         compiling = False
+        labels = [label for label, _ in gradients.GRADIENTS_IN_TORCH.values()]
+        routes = {label: self.may_route(label) for label in labels}
+        parts = ["swap", digest_bytes(gradient.model), sorted(shapes.items()), routes]
 
         def aten() -> bool:
             nonlocal compiling
@@ -604,7 +634,25 @@ class OrtTrainingBackend(Backend):
             compiling = reason == aten_executor.COMPILING
             return reason is None
 
-        model = gradients.gradients_in_torch(gradient.model, shapes, self.may_route, aten)
+        asked: list[bool] = []  # what aten() answered, when asked
+
+        def asking() -> bool:
+            asked.append(aten())
+            return asked[-1]
+
+        # The swap of a stored graph, as a process before this one made it (it parses the
+        # graph: `onnx`'s import alone is half a second), when it needed no executor, or
+        # needed it and this process has it too.
+        stored = self._derived.load(parts)
+        if stored is not None and (not stored.meta.get("executor") or aten()):
+            model = stored.graphs.get("model")
+            if model is None:
+                return None, compiling
+            return dataclasses.replace(gradient, model=model), compiling
+        model = gradients.gradients_in_torch(gradient.model, shapes, self.may_route, asking)
+        if not asked or asked[-1]:  # no PythonOp node (they name this process's callables)
+            made = {} if model is gradient.model else {"model": model}
+            self._derived.save(parts, {"executor": bool(asked)}, made)
         swapped = None if model is gradient.model else dataclasses.replace(gradient, model=model)
         return swapped, compiling
 
@@ -656,17 +704,6 @@ def _refuse_untrainable(cls: str, miss: Miss) -> None:
 _EXPORT_SOURCES = ("export.py", "symbolics.py", "torch_in_graph/routing.py")
 
 
-@functools.cache
-def _graph_version() -> str:
-    """The passes' declared order and source, and the exporter's sources (read as files): a
-    change to any of them gives the persistent cache new keys."""
-    digest = hashlib.sha256(passes.version().encode())
-    package = Path(__file__).resolve().parent
-    for name in _EXPORT_SOURCES:
-        digest.update((package / name).read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def _payload(recipe: Recipe) -> OrtTrainingPayload:
     payload = recipe.payload
     assert isinstance(payload, OrtTrainingPayload), f"a {recipe.backend} recipe"
@@ -690,11 +727,73 @@ def _kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:
     )
 
 
-def _check(model: bytes) -> None:
-    """Only well-formed ONNX is handed to ONNX Runtime."""
-    import onnx
+@functools.cache
+def _graph_version() -> str:
+    """The passes' declared order and source (`passes.py`, `graph.py`), the exporter's sources
+    and onnx's version, read from files and metadata (a cache hit imports neither the passes
+    nor `onnx`): a change to any of them gives the persistent cache new keys."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for name in ("passes.py", "graph.py", *_EXPORT_SOURCES):
+        digest.update((package / name).read_bytes())
+    try:
+        digest.update(f"onnx={metadata.version('onnx')}".encode())
+    except metadata.PackageNotFoundError:
+        digest.update(b"onnx=none")
+    return digest.hexdigest()[:16]
 
-    onnx.checker.check_model(onnx.load_from_string(model))
+
+@functools.cache
+def _derived_version() -> str:
+    """A digest of the code that derives from a stored graph what `_Derived` keeps."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for name in ("agent.py", "graph.py", "torch_in_graph/gradients.py", "torch_in_graph/nodes.py"):
+        digest.update((package / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class _Derived:
+    """What a session over a stored graph needs that is read from the graph's ONNX (its
+    agent's facts, the CPU swap of gradient nodes), kept in the graph cache (`--cache-dir`)
+    beside the entries, keyed by a digest of the graph's bytes: a process that loads a stored
+    graph then parses no ONNX and never imports `onnx`. Only what names no process's
+    callables is kept (PythonOp nodes do)."""
+
+    FOLDER = DERIVED
+
+    def __init__(self, cache_dir: Path | str | None) -> None:
+        self._store = None if cache_dir is None else persist.store_for(Path(cache_dir))
+
+    def _key(self, parts: list[Any]) -> str:
+        from ort_autopatch.versions import __version__
+
+        return digest([__version__, _derived_version(), *parts])
+
+    def load(self, parts: list[Any]) -> StoredEntry | None:
+        if self._store is None:
+            return None
+        return self._store.load(self.FOLDER, self._key(parts))
+
+    def save(self, parts: list[Any], meta: dict[str, Any], graphs: dict[str, bytes]) -> None:
+        if self._store is not None:
+            self._store.save(self.FOLDER, self._key(parts), meta, graphs, [])
+
+    def facts(self, gradient: agent.GradientGraph) -> agent.GraphFacts:
+        """The agent's facts of a gradient graph (`agent.graph_facts`)."""
+        if self._store is None:
+            return agent.graph_facts(gradient.model, gradient.num_outputs)
+        parts = ["facts", digest_bytes(gradient.model), gradient.num_outputs]
+        stored = self.load(parts)
+        if stored is not None:
+            try:
+                return agent.GraphFacts.from_meta(stored.meta)
+            except (KeyError, TypeError, ValueError):
+                pass
+        facts = agent.graph_facts(gradient.model, gradient.num_outputs)
+        if not facts.python_nodes:
+            self.save(parts, facts.meta(), {})
+        return facts
 
 
 def _embedding_padding(state: ModuleState, state_names: dict[str, str]) -> dict[str, int]:

@@ -30,7 +30,7 @@ class PlainCall:
         *args: Any,
         table: dict[Any, Callable[..., Any]] | None = None,
     ) -> None:
-        from ort_autopatch.engine.backends.ort import capture, decompositions, program
+        from ort_autopatch.engine.backends.ort import capture, decompositions, lowered, program
 
         self.module = module
         call = signature.flatten_call("M", args, {})
@@ -42,7 +42,7 @@ class PlainCall:
             "M",
             decompositions.table() if table is None else table,
         )
-        self.lowered = program.lower(self.captured, "M")
+        self.lowered = lowered.lower(self.captured, "M")
         self.program = program.instantiate(
             self.lowered, RunHooks("M"), torch.device("cpu"), session.SessionSettings(threads=1)
         )

@@ -83,7 +83,7 @@ def _captured(module: nn.Module, *args: torch.Tensor) -> Any:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_child_lowers_a_capture_to_the_bytes_lowering_here_gives(name: str) -> None:
-    from ort_autopatch.engine.backends.ort import offload, program
+    from ort_autopatch.engine.backends.ort import lowered, offload
 
     torch.manual_seed(0)
     module, args = MODELS[name]()
@@ -96,7 +96,7 @@ def test_the_child_lowers_a_capture_to_the_bytes_lowering_here_gives(name: str) 
     finally:
         lowerer.close()
     assert there is not None, "the child lowered nothing"
-    here = program.lower_graphs(kept.forward, kept.backward, "M")
+    here = lowered.lower_graphs(kept.forward, kept.backward, "M")
     assert there.forward == here.forward
     assert there.backward == here.backward
     assert there == here  # the output plans and what sessions need to know, too

@@ -57,7 +57,7 @@ log = logging.getLogger("ort_autopatch")
 class OrtPayload:
     """The plain backend's part of a recipe: both graphs and the maps between them."""
 
-    lowered: Any  # plain.program.Lowered
+    lowered: Any  # lowered.Lowered
     #: read back from the persistent cache: checked against eager when it was built
     stored: bool = False
 
@@ -115,9 +115,9 @@ class OrtBackend(Backend):
         """No `onnx.checker` pass (nor an onnx import: about 1 s): the store hands back only
         bytes whose checksums it wrote, and it wrote only graphs that ONNX Runtime had
         already loaded and run, and that the first-call check had accepted."""
-        from ort_autopatch.engine.backends.ort import program
+        from ort_autopatch.engine.backends.ort import lowered
 
-        return OrtPayload(program.Lowered.from_stored(meta, graphs), stored=True)
+        return OrtPayload(lowered.Lowered.from_stored(meta, graphs), stored=True)
 
     def random_operators(self, recipe: Recipe) -> list[str] | None:
         """Read when the graph was lowered (None for a stored graph: `verify` reads it)."""
@@ -207,9 +207,9 @@ class OrtBackend(Backend):
         from ort_autopatch.engine.backends.ort import (
             capture,
             decompositions,
+            lowered,
             lowering,
             offload,
-            program,
         )
 
         call, cls = miss.call, self.module_class
@@ -247,7 +247,7 @@ class OrtBackend(Backend):
         finally:
             if lowerer is not None:
                 lowerer.close()
-        return captured, program.lower(captured, cls, graphs), SizeGuards(call.shapes())
+        return captured, lowered.lower(captured, cls, graphs), SizeGuards(call.shapes())
 
     def _trace(self, miss: Miss, progress: Progress, table: dict[Any, Any]) -> Any:
         """`plain.capture` of the call for its shapes; forward reading tensor data is refused
@@ -272,7 +272,7 @@ class OrtBackend(Backend):
         from ort_autopatch.engine.backends.ort import (
             capture,
             decompositions,
-            program,
+            lowered,
             symbolic,
         )
 
@@ -297,12 +297,12 @@ class OrtBackend(Backend):
                 if gm is not None:
                     symbolic.expand_numel(gm)
             progress.phase = "lowering to ONNX"
-            lowered = program.lower(captured, cls)
+            made = lowered.lower(captured, cls)
         except Exception as exc:
             log.debug("%s: no graph with symbolic sizes (%s); one per shape", cls, exc)
             progress.specialises(cause)
             return None
-        return captured, lowered, guards
+        return captured, made, guards
 
     def _data_dependent(self, exc: ExportError) -> DataDependentError | None:
         """A trace stopped by forward reading tensor data: the hazard kept, and the refusal

@@ -55,7 +55,7 @@ import torch
 from ort_autopatch.engine import calls, sandbox
 
 if TYPE_CHECKING:
-    from ort_autopatch.engine.backends.ort.program import Graphs
+    from ort_autopatch.engine.backends.ort.lowered import Graphs
 
 log = logging.getLogger("ort_autopatch")
 
@@ -330,7 +330,7 @@ def _found(names: list[tuple[str, ...]]) -> list[Any]:
 def _warm_up() -> None:
     """Lower a one-node graph while the parent traces: a process's first translation and
     serialisation cost more than a small graph's own."""
-    from ort_autopatch.engine.backends.ort import program
+    from ort_autopatch.engine.backends.ort import lowered
 
     x = _Fake((2,), (1,), 0, torch.float32)
     nodes = [
@@ -338,7 +338,7 @@ def _warm_up() -> None:
         _Node("call_function", "mul", ("op", "aten", "mul", "Tensor"), (_Ref("x"),) * 2, {}, x, {}),
         _Node("output", "output", "output", ((_Ref("mul"),),), {}, None, {}),
     ]
-    program.lower_graphs(decode(Encoded(nodes, {}), fake=False), None, "warm-up", promoted=True)
+    lowered.lower_graphs(decode(Encoded(nodes, {}), fake=False), None, "warm-up", promoted=True)
 
 
 def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
@@ -347,7 +347,7 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
     # no collections: the child lives for one build, and its imports and translation make
     # objects by the hundred thousand (0.05 s of collections measured in the imports alone)
     gc.disable()
-    from ort_autopatch.engine.backends.ort import lowering, program
+    from ort_autopatch.engine.backends.ort import lowered, lowering
 
     # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
     # thread pool (libgomp's) does not survive a fork
@@ -363,7 +363,7 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
             return
         graphs = [None if g is None else decode(g, fake=False) for g in (forward, backward)]
         assert graphs[0] is not None
-        send(program.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
+        send(lowered.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
 
 
 #: The shortest window over which CPU use is read (`/proc/stat` counts in 10 ms ticks).

@@ -1,0 +1,209 @@
+"""The plain backend's payload: both graphs of a capture as ONNX, and the maps between them
+(`Lowered`, which the persistent cache stores), made from a capture (`lower`; the part that
+needs the exporter, `lower_graphs`, may run in another process, `offload`).
+
+The cold path: nothing here runs on a call. `program` makes sessions of a `Lowered`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine import rng
+from ort_autopatch.engine.backends.ort import lowering
+from ort_autopatch.engine.backends.ort.aliasing import Replay
+from ort_autopatch.engine.backends.ort.capture import Captured, Feed
+
+
+def _outputs_for_onnx(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
+    """Rewrite the graph's outputs to what ONNX can carry (no None, no input, none twice)
+    and say where each original output comes from."""
+    inputs = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    kept: list[Any] = []
+    plan: list[tuple[str, int]] = []
+    for node in output.args[0]:
+        if node is None:
+            plan.append(("none", -1))
+        elif node in inputs:
+            plan.append(("in", inputs[node]))
+        else:
+            if node not in kept:
+                kept.append(node)
+            plan.append(("onnx", kept.index(node)))
+    output.args = (tuple(kept),)
+    gm.recompile()
+    return plan
+
+
+@dataclass
+class GraphFacts:
+    """What a session of one ONNX graph needs besides the graph."""
+
+    inputs: list[str]  # the graph's input names, in order
+    draws: bool  # a run reads ORT's generator (`rng.draws_per_run`)
+
+    @classmethod
+    def of(cls, model: bytes) -> GraphFacts:
+        import onnx
+
+        proto = onnx.load_from_string(model)
+        return cls([value.name for value in proto.graph.input], rng.draws_per_run(proto))
+
+
+@dataclass
+class Lowered:
+    """Both graphs of a capture as ONNX, and the maps between them: plain data (the
+    backend's payload, which the persistent cache stores)."""
+
+    forward: bytes
+    backward: bytes | None
+    feeds: list[Feed]  # per forward graph input, in order
+    user_outputs: list[int]  # forward output index of each user output
+    mutations: dict[int, int]  # forward output index -> feed index of the buffer it updates
+    backward_inputs: list[tuple[str, int]]  # see `Captured.backward_inputs`
+    forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
+    backward_outputs: list[tuple[str, int]]
+    input_mutations: dict[int, int]  # see `Captured.input_mutations`
+    hidden_mutations: list[int]  # see `Captured.hidden_mutations`
+    bases: list[int]  # see `Captured.bases`
+    regenerated: dict[int, Replay]  # see `Captured.regenerated`
+    viewed_feeds: list[int]  # see `Captured.viewed_feeds`
+    viewed_outputs: list[int]  # see `Captured.viewed_outputs`
+    #: what sessions need to know of each graph ("forward", "backward"), read when it was
+    #: lowered, so that sessions for a stored graph never parse it (nor import onnx)
+    facts: dict[str, GraphFacts]
+    #: forward's random operators, read when it was lowered (None: a stored graph's, unread)
+    random_operators: list[str] | None = None
+
+    @property
+    def slots(self) -> list[int]:
+        """See `Captured.slots`."""
+        return [*self.user_outputs, *self.bases, *self.input_mutations]
+
+    def graphs(self) -> dict[str, bytes]:
+        found = {"forward": self.forward}
+        if self.backward is not None:
+            found["backward"] = self.backward
+        return found
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "feeds": [[f.kind, f.where] for f in self.feeds],
+            "user_outputs": self.user_outputs,
+            "mutations": [[k, v] for k, v in self.mutations.items()],
+            "backward_inputs": [list(x) for x in self.backward_inputs],
+            "forward_outputs": [list(x) for x in self.forward_outputs],
+            "backward_outputs": [list(x) for x in self.backward_outputs],
+            "input_mutations": [[k, v] for k, v in self.input_mutations.items()],
+            "hidden_mutations": self.hidden_mutations,
+            "bases": self.bases,
+            "regenerated": [[k, v.as_data()] for k, v in self.regenerated.items()],
+            "viewed_feeds": self.viewed_feeds,
+            "viewed_outputs": self.viewed_outputs,
+            "facts": {
+                role: {"inputs": f.inputs, "draws": f.draws} for role, f in self.facts.items()
+            },
+        }
+
+    @classmethod
+    def from_stored(cls, meta: dict[str, Any], graphs: dict[str, bytes]) -> Lowered:
+        def pairs(key: str) -> list[tuple[str, int]]:
+            return [(str(a), int(b)) for a, b in meta[key]]
+
+        return cls(
+            forward=graphs["forward"],
+            backward=graphs.get("backward"),
+            feeds=[Feed(str(k), w) for k, w in meta["feeds"]],
+            user_outputs=[int(k) for k in meta["user_outputs"]],
+            mutations={int(k): int(v) for k, v in meta["mutations"]},
+            backward_inputs=pairs("backward_inputs"),
+            forward_outputs=pairs("forward_outputs"),
+            backward_outputs=pairs("backward_outputs"),
+            input_mutations={int(k): int(v) for k, v in meta["input_mutations"]},
+            hidden_mutations=[int(k) for k in meta["hidden_mutations"]],
+            bases=[int(k) for k in meta["bases"]],
+            regenerated={int(k): Replay.from_data(v) for k, v in meta["regenerated"]},
+            viewed_feeds=[int(k) for k in meta["viewed_feeds"]],
+            viewed_outputs=[int(k) for k in meta["viewed_outputs"]],
+            facts={
+                str(role): GraphFacts([str(n) for n in f["inputs"]], bool(f["draws"]))
+                for role, f in meta["facts"].items()
+                if role in graphs
+            },
+        )
+
+
+@dataclass
+class Graphs:
+    """Both graphs of a capture as ONNX, with what sessions need of them: the part of
+    lowering that needs the exporter (and can run in another process, `offload`)."""
+
+    forward: bytes
+    backward: bytes | None
+    forward_outputs: list[tuple[str, int]]  # see `_Session.outputs`
+    backward_outputs: list[tuple[str, int]]
+    facts: dict[str, GraphFacts]
+    random_operators: list[str]  # forward's (`verify.random_ops`)
+
+
+def lower_graphs(
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule | None,
+    cls: str,
+    promoted: bool = False,
+) -> Graphs:
+    """Both graphs to ONNX (their outputs rewritten to what ONNX can carry); `promoted`:
+    their types were promoted already (`lowering.promote_types`)."""
+    import onnx
+
+    from ort_autopatch.engine import verify
+
+    forward_outputs = _outputs_for_onnx(forward)
+    forward_model = lowering.to_onnx(forward, cls, "forward", promoted)
+    backward_model = None
+    backward_outputs: list[tuple[str, int]] = []
+    if backward is not None:
+        backward_outputs = _outputs_for_onnx(backward)
+        backward_model = lowering.to_onnx(backward, cls, "backward", promoted)
+    return Graphs(
+        forward=forward_model,
+        backward=backward_model,
+        forward_outputs=forward_outputs,
+        backward_outputs=backward_outputs,
+        facts={
+            role: GraphFacts.of(model)
+            for role, model in (("forward", forward_model), ("backward", backward_model))
+            if model is not None
+        },
+        random_operators=verify.random_ops(onnx.load_from_string(forward_model)),
+    )
+
+
+def lower(captured: Captured, cls: str, graphs: Graphs | None = None) -> Lowered:
+    """Both graphs of a capture to ONNX (or `graphs`, lowered from it elsewhere), and the
+    maps between them."""
+    if graphs is None:
+        graphs = lower_graphs(captured.forward, captured.backward, cls)
+    position = {feed: k for k, feed in enumerate(captured.feeds)}
+    return Lowered(
+        forward=graphs.forward,
+        backward=graphs.backward,
+        feeds=captured.feeds,
+        user_outputs=captured.user_outputs,
+        mutations={k: position[Feed("buffer", name)] for k, name in captured.mutations.items()},
+        backward_inputs=captured.backward_inputs,
+        forward_outputs=graphs.forward_outputs,
+        backward_outputs=graphs.backward_outputs,
+        input_mutations=captured.input_mutations,
+        hidden_mutations=captured.hidden_mutations,
+        bases=captured.bases,
+        regenerated=captured.regenerated,
+        viewed_feeds=captured.viewed_feeds,
+        viewed_outputs=captured.viewed_outputs,
+        facts=graphs.facts,
+        random_operators=graphs.random_operators,
+    )

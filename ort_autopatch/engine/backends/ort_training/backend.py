@@ -19,8 +19,6 @@ import fnmatch
 import functools
 import hashlib
 import logging
-import weakref
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -31,8 +29,6 @@ import torch
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine import (
     budget,
-    dlpack,
-    graph_function,
     hazards,
     persist,
     random_ops,
@@ -43,10 +39,11 @@ from ort_autopatch.engine import (
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort_training import agent, heap
 from ort_autopatch.engine.backends.ort_training.run import (
-    BatchNormUpdate,
-    RunEffects,
-    TrainingGraph,
-    run_inference,
+    AgentProgram,
+    ExecutorUpgrade,
+    SessionProgram,
+    program_feeds_kept,
+    run_effects,
 )
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.errors import (
@@ -104,114 +101,6 @@ class OrtTrainingPayload:
                 "grad_of": g.grad_of,
             }
         }
-
-
-class _Training:
-    """A training program: forward and backward through the agent, tied into autograd.
-
-    Built while the ATen executor was still compiling (`upgrade`), it runs ORT's or Python's
-    gradient nodes until the compiler is done, then makes its session again with the executor
-    at the start of a call (the graph is not exported or differentiated again); a call still
-    between its forward and backward finishes on the graph it started with."""
-
-    def __init__(
-        self,
-        program: agent.TrainingProgram,
-        effects: RunEffects,
-        hooks: RunHooks,
-        kept: dlpack.KeptValues,
-        torch_nodes: dict[str, int],
-        saved_graphs: dict[str, bytes],
-        upgrade: _Upgrade | None = None,
-    ) -> None:
-        self.program = program
-        self.feed_names: Sequence[str] = program.feed_names
-        self.torch_nodes = torch_nodes
-        self.saved_graphs = saved_graphs
-        self.graph = TrainingGraph(program, effects, hooks, kept)
-        self._upgrade = upgrade
-
-    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
-        if self._upgrade is not None and self._upgrade.due():
-            self._take_upgrade()
-        return graph_function.apply(self.graph, feeds, recompute)
-
-    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
-        return self.graph.effects.undo_point()
-
-    def _take_upgrade(self) -> None:
-        upgrade, self._upgrade = self._upgrade, None  # one try, by whichever thread comes
-        assert upgrade is not None
-        made = upgrade.make()
-        if made is None:
-            return
-        program, model = made
-        from ort_autopatch.engine.backends.ort_training import graph
-
-        if list(program.feed_names) != list(self.feed_names):  # the entry's feeds follow these
-            log.debug("%s: the executor's graph takes other feeds; kept ORT's", upgrade.cls)
-            return
-        self.program = program
-        kept = _kept(upgrade.recipe, program.feed_names)
-        self.graph = dataclasses.replace(self.graph, program=program, kept=kept)
-        self.torch_nodes = nodes.Inventory.of(graph.load(model)).counts
-        self.saved_graphs = {"gradient": model}
-        log.info("%s: the ATen executor is ready; its gradient nodes now call torch", upgrade.cls)
-
-
-@dataclass
-class _Upgrade:
-    """How a training program built while the executor compiled makes its session again."""
-
-    cls: str
-    recipe: Recipe
-    make_graph: Any  # () -> the gradient graph with the executor's nodes, or None
-    device: torch.device
-    settings: session.SessionSettings
-
-    @staticmethod
-    def due() -> bool:
-        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
-
-        return aten_executor.compiled()
-
-    def make(self) -> tuple[agent.TrainingProgram, bytes] | None:
-        """The new session and the graph it runs; None when nothing is better than before."""
-        try:
-            swapped = self.make_graph()
-            if swapped is None:
-                return None
-            program = agent.build_training(swapped, self.device, self.settings, self.cls)
-        except Exception as exc:  # whatever fails, the program it had goes on
-            log.debug("%s: no graph with the ATen executor (%s)", self.cls, exc)
-            return None
-        return program, swapped.model
-
-
-class _Inference:
-    """An inference program: one session over the forward graph."""
-
-    def __init__(
-        self,
-        program: agent.InferenceProgram,
-        effects: RunEffects,
-        hooks: RunHooks,
-        kept: dlpack.KeptValues,
-        torch_nodes: dict[str, int],
-    ) -> None:
-        self.program = program
-        self.effects = effects
-        self.hooks = hooks
-        self.kept = kept
-        self.feed_names: Sequence[str] = program.feed_names
-        self.torch_nodes = torch_nodes
-        self.saved_graphs: dict[str, bytes] = {}
-
-    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
-        return run_inference(self.program, self.effects, self.hooks, feeds, self.kept)
-
-    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
-        return self.effects.undo_point()
 
 
 def _require_training_build() -> None:
@@ -525,11 +414,11 @@ class OrtTrainingBackend(Backend):
         hooks: RunHooks,
         settings: session.SessionSettings,
         progress: Progress,
-    ) -> _Training | _Inference:
+    ) -> AgentProgram | SessionProgram:
         _require_training_build()
         payload = _payload(recipe)
         device, cls = miss.device, self.module_class
-        effects = _effects(recipe, miss.state)
+        effects = run_effects(recipe, miss.state)
         capture = self.options.cache_dir is not None and payload.optimized is None
         if payload.gradient is not None:
             shapes = _input_shapes(recipe, miss.call)
@@ -563,7 +452,7 @@ class OrtTrainingBackend(Backend):
                 )
                 payload.optimized = payload.optimized or program.optimized
             ran = swapped or payload.gradient
-            kept = _kept(recipe, program.feed_names)
+            kept = program_feeds_kept(recipe, program.feed_names)
             upgrade = None
             if compiling:
                 gradient = payload.gradient
@@ -574,9 +463,9 @@ class OrtTrainingBackend(Backend):
                     made, _ = self._for_device(gradient, shapes, device, _Quiet())
                     return made
 
-                upgrade = _Upgrade(cls, recipe, with_executor, device, settings)
+                upgrade = ExecutorUpgrade(cls, recipe, with_executor, device, settings)
             saved = {"gradient": ran.model}
-            return _Training(program, effects, hooks, kept, counts, saved, upgrade)
+            return AgentProgram(program, effects, hooks, kept, counts, saved, upgrade)
         inference = agent.build_inference(
             payload.optimized or recipe.forward_model,
             device,
@@ -586,8 +475,8 @@ class OrtTrainingBackend(Backend):
             capture=capture,
         )
         payload.optimized = payload.optimized or inference.optimized
-        kept = _kept(recipe, inference.feed_names)
-        return _Inference(inference, effects, hooks, kept, recipe.torch_nodes)
+        kept = program_feeds_kept(recipe, inference.feed_names)
+        return SessionProgram(inference, effects, hooks, kept, recipe.torch_nodes)
 
     def _executor_folder(self) -> Path | None:
         """Where the ATen executor is cached; None: it is never compiled (the option is off)."""
@@ -708,23 +597,6 @@ def _payload(recipe: Recipe) -> OrtTrainingPayload:
     payload = recipe.payload
     assert isinstance(payload, OrtTrainingPayload), f"a {recipe.backend} recipe"
     return payload
-
-
-def _effects(recipe: Recipe, state: ModuleState) -> RunEffects:
-    """What the recipe's runs change besides their outputs, bound to the module's BatchNorms."""
-    batch_norms = []
-    for name, mean_index, var_index in recipe.batch_norms:
-        bn = state.module_named(name)
-        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-            batch_norms.append(BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
-    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout, recipe.redraws)
-
-
-def _kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:
-    """ORT's values of the feeds that are the module's tensors, kept from call to call."""
-    return dlpack.KeptValues(
-        [k for k, name in enumerate(feed_names) if recipe.feed_sources[name][0] != "input"]
-    )
 
 
 @functools.cache

@@ -11,6 +11,8 @@ graph's output conventions, and BatchNorm's statistics handed out as extra outpu
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,12 +20,17 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import dlpack, rng, runtime
+from ort_autopatch.engine import dlpack, graph_function, rng, runtime, session
 from ort_autopatch.engine.backend import RunHooks
+from ort_autopatch.engine.backends.ort_training import agent
 from ort_autopatch.engine.backends.ort_training.agent import InferenceProgram, TrainingProgram
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from ort_autopatch.engine.errors import ExecutionError
+from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.session import execution_error
+from ort_autopatch.engine.state import ModuleState
+
+log = logging.getLogger("ort_autopatch")
 
 
 @dataclass
@@ -254,3 +261,129 @@ class TrainingGraph:
             run.state = None
         tensors = dlpack.pull(results, caller)
         return [tensors[i] if i >= 0 else None for i in program.grad_index]
+
+
+def run_effects(recipe: Recipe, state: ModuleState) -> RunEffects:
+    """What the recipe's runs change besides their outputs, bound to the module's BatchNorms."""
+    batch_norms = []
+    for name, mean_index, var_index in recipe.batch_norms:
+        bn = state.module_named(name)
+        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+            batch_norms.append(BatchNormUpdate(weakref.ref(bn), mean_index, var_index))
+    return RunEffects(recipe.num_user_outputs, batch_norms, recipe.seeds_dropout, recipe.redraws)
+
+
+def program_feeds_kept(recipe: Recipe, feed_names: Sequence[str]) -> dlpack.KeptValues:
+    """ORT's values of the feeds that are the module's tensors, kept from call to call."""
+    return dlpack.KeptValues(
+        [k for k, name in enumerate(feed_names) if recipe.feed_sources[name][0] != "input"]
+    )
+
+
+class AgentProgram:
+    """A training program: forward and backward through the agent, tied into autograd.
+
+    Built while the ATen executor was still compiling (`upgrade`), it runs ORT's or Python's
+    gradient nodes until the compiler is done, then makes its session again with the executor
+    at the start of a call (the graph is not exported or differentiated again); a call still
+    between its forward and backward finishes on the graph it started with."""
+
+    def __init__(
+        self,
+        program: agent.TrainingProgram,
+        effects: RunEffects,
+        hooks: RunHooks,
+        kept: dlpack.KeptValues,
+        torch_nodes: dict[str, int],
+        saved_graphs: dict[str, bytes],
+        upgrade: ExecutorUpgrade | None = None,
+    ) -> None:
+        self.program = program
+        self.feed_names: Sequence[str] = program.feed_names
+        self.torch_nodes = torch_nodes
+        self.saved_graphs = saved_graphs
+        self.graph = TrainingGraph(program, effects, hooks, kept)
+        self._upgrade = upgrade
+
+    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
+        if self._upgrade is not None and self._upgrade.due():
+            self._take_upgrade()
+        return graph_function.apply(self.graph, feeds, recompute)
+
+    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
+        return self.graph.effects.undo_point()
+
+    def _take_upgrade(self) -> None:
+        upgrade, self._upgrade = self._upgrade, None  # one try, by whichever thread comes
+        assert upgrade is not None
+        made = upgrade.make()
+        if made is None:
+            return
+        program, model = made
+        from ort_autopatch.engine.backends.ort_training import graph
+
+        if list(program.feed_names) != list(self.feed_names):  # the entry's feeds follow these
+            log.debug("%s: the executor's graph takes other feeds; kept ORT's", upgrade.cls)
+            return
+        self.program = program
+        kept = program_feeds_kept(upgrade.recipe, program.feed_names)
+        self.graph = dataclasses.replace(self.graph, program=program, kept=kept)
+
+        self.torch_nodes = nodes.Inventory.of(graph.load(model)).counts
+        self.saved_graphs = {"gradient": model}
+        log.info("%s: the ATen executor is ready; its gradient nodes now call torch", upgrade.cls)
+
+
+@dataclass
+class ExecutorUpgrade:
+    """How a training program built while the executor compiled makes its session again."""
+
+    cls: str
+    recipe: Recipe
+    make_graph: Any  # () -> the gradient graph with the executor's nodes, or None
+    device: torch.device
+    settings: session.SessionSettings
+
+    @staticmethod
+    def due() -> bool:
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
+
+        return aten_executor.compiled()
+
+    def make(self) -> tuple[agent.TrainingProgram, bytes] | None:
+        """The new session and the graph it runs; None when nothing is better than before."""
+        try:
+            swapped = self.make_graph()
+            if swapped is None:
+                return None
+            program = agent.build_training(swapped, self.device, self.settings, self.cls)
+        except Exception as exc:  # whatever fails, the program it had goes on
+            log.debug("%s: no graph with the ATen executor (%s)", self.cls, exc)
+            return None
+        return program, swapped.model
+
+
+class SessionProgram:
+    """An inference program: one session over the forward graph."""
+
+    def __init__(
+        self,
+        program: agent.InferenceProgram,
+        effects: RunEffects,
+        hooks: RunHooks,
+        kept: dlpack.KeptValues,
+        torch_nodes: dict[str, int],
+    ) -> None:
+        self.program = program
+        self.effects = effects
+        self.hooks = hooks
+        self.kept = kept
+        self.feed_names: Sequence[str] = program.feed_names
+        self.torch_nodes = torch_nodes
+        self.saved_graphs: dict[str, bytes] = {}
+
+    def run(self, feeds: list[torch.Tensor], recompute: bool) -> Sequence[torch.Tensor]:
+        return run_inference(self.program, self.effects, self.hooks, feeds, self.kept)
+
+    def undo_point(self, feeds: Sequence[torch.Tensor]) -> Callable[[], None]:
+        return self.effects.undo_point()

@@ -104,3 +104,68 @@ def test_dropout_between_layers_is_applied_as_in_eager() -> None:
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(engine(x), model.forward(x), rtol=1e-5, atol=1e-5)
+
+
+class GatedRecurrent(nn.Module):
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 6, **options)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        out, h = self.gru(x, state[0] if state else None)
+        return out.sum(-1).unsqueeze(-1) * 2 + 3 * h.sum()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_layers": 1},
+        {"num_layers": 2},
+        {"num_layers": 3, "bidirectional": True},
+        {"num_layers": 1, "bias": False},
+    ],
+    ids=["1-layer", "2-layer", "3-layer-bidirectional", "no-bias"],
+)
+def test_a_gru_trains_like_eager_with_one_scan_per_layer(options: dict[str, object]) -> None:
+    model = GatedRecurrent(**options)
+    plain = _train_like_eager(model, lambda: (torch.randn(7, 3, 4, requires_grad=True),))
+    layers = int(options["num_layers"]) * (2 if options.get("bidirectional") else 1)
+    graphs = [plain.captured.forward.graph, plain.captured.backward.graph]
+    scans = [
+        sum(1 for n in g.nodes if "gru_scan" in str(n.target) and n.op == "call_function")
+        for g in graphs
+    ]
+    assert scans == [layers, layers], scans
+
+
+def test_a_gru_s_initial_state_gets_eager_s_gradient() -> None:
+    model = GatedRecurrent(num_layers=2).double()
+    _train_like_eager(
+        model,
+        lambda: (
+            torch.randn(5, 3, 4, dtype=torch.float64),
+            torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True),
+        ),
+    )
+
+
+def test_the_operators_eager_kernels_have_their_own_gradients() -> None:
+    """The torch kernels of our operators (run where no graph is: a trace's first run, these
+    tests) against autograd's numerical gradients."""
+    from ort_autopatch.engine.backends.ort import recurrent
+
+    torch.manual_seed(0)
+    steps, batch, hidden = 4, 2, 3
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+    lstm_args = (tensor(steps, batch, 4 * hidden), tensor(batch, hidden), tensor(batch, hidden))
+    assert torch.autograd.gradcheck(
+        lambda *a: recurrent.lstm_scan(*a)[:2], (*lstm_args, tensor(4 * hidden, hidden))
+    )
+    gru_args = (tensor(steps, batch, 3 * hidden), tensor(batch, hidden))
+    assert torch.autograd.gradcheck(
+        lambda *a: recurrent.gru_scan(*a)[0],
+        (*gru_args, tensor(3 * hidden, hidden), tensor(3 * hidden)),
+    )

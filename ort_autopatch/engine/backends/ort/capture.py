@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import budget, calls, tracing
-from ort_autopatch.engine.backends.ort import draws
+from ort_autopatch.engine.backends.ort import draws, recurrent
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
 
 
@@ -336,6 +336,7 @@ def capture(
             _traceable_batch_norms(module),
             _relisted_rnn_weights(),
             _generic_recurrent_kernels(),
+            recurrent.scanned_lstms(),
             _masks_as_given(),
             _libraries_tracing(),
             real_constants_allowed(),

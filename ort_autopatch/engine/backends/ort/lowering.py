@@ -174,6 +174,8 @@ def registry_for(targets: Iterable[Any]) -> Any:
     `OPSET` kept. Grows as graphs bring new operators."""
     from torch.onnx._internal.exporter import _registration
 
+    from ort_autopatch.engine.backends.ort import recurrent
+
     with _lock:
         if not _registry:
             _registry.append(_registration.ONNXRegistry())
@@ -184,6 +186,17 @@ def registry_for(targets: Iterable[Any]) -> Any:
         for target in set(targets) - _registered:
             _registered.add(target)
             metas = [meta for meta in own if meta.fx_target == target]
+            ours = recurrent.TRANSLATIONS.get(target)
+            if ours is not None:  # a Python function adding its nodes: no signature
+                metas.append(
+                    _registration.OnnxDecompMeta(
+                        onnx_function=ours,
+                        fx_target=target,
+                        signature=None,
+                        is_custom=True,
+                        skip_signature_inference=True,
+                    )
+                )
             name = _name(target) or callables.get(target)
             for function, is_complex in functions.get(name, []) if name else []:
                 metas.append(

@@ -262,10 +262,23 @@ def _keep(batch: int, length: int) -> torch.Tensor:
     return keep
 
 
+#: Attention is traced with the math kernel again: tracing it with the CPU flash kernel (whose
+#: backward eager uses) gave OPT's zoo entry gradients 3.4x off eager's. With the math kernel a
+#: row whose keys are all masked by the dtype's minimum gets the softmax's gradient, not eager's
+#: flash kernel's, and the first-call check refuses the graph (PyTorch runs it): issue 35 open.
+FLASH_TRACE_WITHDRAWN = pytest.mark.xfail(
+    strict=True, reason="attention traces with the math kernel (see FLASH_TRACE_WITHDRAWN)"
+)
+
+
 @pytest.mark.parametrize(
     "sizes", [[(4, 6)] * 2, [(4, 6), (3, 9), (5, 4), (2, 7)]], ids=["static", "symbolic"]
 )
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "training",
+    [pytest.param(True, marks=FLASH_TRACE_WITHDRAWN), False],
+    ids=["train", "eval"],
+)
 def test_attention_with_fully_masked_rows_equals_eager(
     sizes: list[tuple[int, int]], training: bool
 ) -> None:
@@ -290,6 +303,7 @@ def test_attention_with_fully_masked_rows_equals_eager(
     assert [r.dynamic for r in engine.records] == [False, True][: len(set(sizes))]
 
 
+@FLASH_TRACE_WITHDRAWN
 def test_bert_classifier_with_varying_batch_and_length_and_padding_masks_equals_eager() -> None:
     """ONNX Runtime's own API test's data: attention masks of values 0 to 99 (a key counts
     where the mask is 1, so most rows mask every key), padding ids, one label."""

@@ -101,6 +101,7 @@ class ModuleEngine:
         self._backend = backend(self._cls, self.options, self._forward)
         # which input shapes each graph serves, and how a call finds its graph
         self._shapes = self._backend.shape_policy()
+        self._holds = self._cache.holds  # bound once: every call's key may ask it
         self._builder = Builder(
             self._cls,
             self.options,
@@ -225,7 +226,8 @@ class ModuleEngine:
         if _any_autocast():  # one C call while autocast is off
             autocast = amp.state(self._device_type(call))
         mode = (torch.is_grad_enabled(), module.training, autocast)
-        hot, earned = self._shapes.pick(mode, call)
+        shapes = self._shapes  # `ShapePolicy.pick`, inlined: every call asks
+        hot, earned = (None, False) if shapes.per_shape else shapes.hot.pick(mode, call.shapes)
         if trust_last and not earned and mode in self._trusted:
             last = self._trusted[mode]
             # even unchecked, a graph never takes sizes it was not built for
@@ -346,7 +348,7 @@ class ModuleEngine:
         `autocast`: the call's autocast state."""
         if requires is None:
             requires = self._state.requires_grad_flags() if grad else []
-        return self._shapes.key(self._keys, grad, call, requires, hot, autocast, self._cache.holds)
+        return self._shapes.key(self._keys, grad, call, requires, hot, autocast, self._holds)
 
     def _base(
         self, grad: bool, call: signature.FlatCall, requires: list[bool], autocast: amp.State

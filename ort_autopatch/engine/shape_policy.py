@@ -23,7 +23,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.callkey import CallKey, HotShapes, KeyMaker, Shapes
@@ -57,14 +57,7 @@ class ShapePolicy(ABC):
         self.hot = HotShapes(static_after, HOT_SHAPES_PER_MODE, first=self.first_call_static)
         self.per_shape = False  # every graph serves one input shape (sizes were traced)
 
-    # -- every call ----------------------------------------------------------------------
-    def pick(self, mode: Any, call: FlatCall) -> tuple[Shapes | None, bool]:
-        """The call's shapes when they have (or just earned) a static-shape graph, and
-        whether they earned it with this call."""
-        if self.per_shape:
-            return None, False
-        return self.hot.pick(mode, call.shapes)
-
+    # -- every call (the engine reads `per_shape` and asks `hot` itself: no call layer) ----
     @abstractmethod
     def key(
         self,
@@ -142,7 +135,8 @@ class DynamicGraphs(ShapePolicy):
         autocast: amp.State,
         held: Callable[[CallKey], bool],
     ) -> CallKey:
-        return keys.key(grad, call.signature, self._shapes(call, hot), requires, autocast)
+        shapes = call.shapes() if self.per_shape else hot  # `_shapes`, inlined: every call asks
+        return keys.key(grad, call.signature, shapes, requires, autocast)
 
     def fits(self, last: CallKey, call: FlatCall, hot: Shapes | None) -> bool:
         return last.shapes == self._shapes(call, hot)

@@ -135,6 +135,16 @@ class _Flat(torch.nn.Module):
         return tuple(outputs)
 
 
+def _math_attention() -> contextlib.AbstractContextManager[Any]:
+    """Attention as matmuls and a softmax. Traced with the CPU flash kernel eager picks (whose
+    backward `decompositions` has), OPT's zoo entry got gradients 3.4x off eager's: until that
+    is understood, the math kernel (a graph that differs from eager on fully masked rows is
+    refused by the first-call check, a refusal rather than a wrong number)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 _capturing = threading.local()
 
 
@@ -333,6 +343,7 @@ def capture(
             contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
             calls.stepping_aside(),
             tracing.export_rewrites(),
+            _math_attention(),
             _traceable_batch_norms(module),
             _relisted_rnn_weights(),
             _generic_recurrent_kernels(),

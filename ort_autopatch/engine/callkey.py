@@ -29,6 +29,12 @@ GUARDS = ("training", "has_backward", "autocast", "requires_grad", "inputs", "at
 
 Shapes = tuple[tuple[int, ...], ...]
 
+#: A call's mode, read before its key: gradient mode, the root module's train flag and
+#: autocast's state. The graph last used in a mode serves the mode's next call unchecked
+#: (`trust_last`), input shapes earn their static-shape graphs per mode (`HotShapes`), and a
+#: miss is explained against the last key used in its mode (`KeyMaker.miss_reason`).
+Mode = tuple[bool, bool, amp.State]
+
 
 class Guards(Protocol):
     """The caller's view of state that a graph bakes in (attribute values forward read)."""
@@ -73,11 +79,6 @@ class CallKey:
     def __hash__(self) -> int:
         return self._hash
 
-    @property
-    def mode(self) -> tuple[bool, tuple[bool, ...]]:
-        """Gradient mode and train flags: a key's neighbours for explaining a miss."""
-        return self.has_backward, self.training
-
     def diff(self, before: CallKey | None, labels: Sequence[str] = ()) -> str | None:
         """Why this key misses where `before` (the last key used) would not have: the exact
         rebuild reason, or None when the two are equal. `labels` name the attributes."""
@@ -116,7 +117,7 @@ class KeyMaker:
         # the last key computed, with the raw train and requires_grad flags it was made from
         self._recent: tuple[CallKey, list[bool], list[bool]] | None = None
         self._used: CallKey | None = None  # the last key a call ran with
-        self._used_in_mode: dict[tuple[bool, tuple[bool, ...]], CallKey] = {}
+        self._used_in_mode: dict[Mode, CallKey] = {}
         self._built: set[CallKey] = set()
         self._event: str | None = "first call"
 
@@ -171,23 +172,25 @@ class KeyMaker:
         """An event the key cannot show (sizes change a traced value) explains the next miss."""
         self._event = reason
 
-    def miss_reason(self, key: CallKey) -> str:
-        """Why `key` has no graph: an event, an eviction, or the guard that moved."""
+    def miss_reason(self, key: CallKey, mode: Mode) -> str:
+        """Why `key` (a call in `mode`) has no graph: an event, an eviction, or the guard that
+        moved since the last key used in that mode (or, in a mode's first call, since the
+        last key used at all)."""
         event, self._event = self._event, None
         if event is not None:
             return event
         if key in self._built:
             return "cache evicted"
-        before = self._used_in_mode.get(key.mode, self._used)
+        before = self._used_in_mode.get(mode, self._used)
         labels = self._guards.labels() if self._guards is not None else []
         return key.diff(before, labels) or "cache evicted"
 
     def built(self, key: CallKey) -> None:
         self._built.add(key)
 
-    def used(self, key: CallKey) -> None:
+    def used(self, key: CallKey, mode: Mode) -> None:
         self._used = key
-        self._used_in_mode[key.mode] = key
+        self._used_in_mode[mode] = key
 
 
 def _attributes(new: CallKey, old: CallKey, labels: Sequence[str]) -> str:
@@ -236,11 +239,11 @@ class HotShapes:
         self.after = after
         self.limit = limit
         self.first = first
-        self._hot: dict[Hashable, set[Shapes]] = {}
-        self._streak: dict[Hashable, tuple[Shapes, int]] = {}
-        self._refused: set[tuple[Hashable, Shapes]] = set()
+        self._hot: dict[Mode, set[Shapes]] = {}
+        self._streak: dict[Mode, tuple[Shapes, int]] = {}
+        self._refused: set[tuple[Mode, Shapes]] = set()
 
-    def pick(self, mode: Hashable, shapes: Callable[[], Shapes]) -> tuple[Shapes | None, bool]:
+    def pick(self, mode: Mode, shapes: Callable[[], Shapes]) -> tuple[Shapes | None, bool]:
         """The shapes a call's key carries (None: the dynamic graph serves it), and whether
         they earned their graph by coming back (False for a mode's first call, whose shapes
         have their graph at once)."""
@@ -264,7 +267,7 @@ class HotShapes:
         self._hot.setdefault(mode, set()).add(current)
         return current, True
 
-    def refuse(self, mode: Hashable, shapes: Shapes) -> None:
+    def refuse(self, mode: Mode, shapes: Shapes) -> None:
         """No static-shape graph could be built for these shapes: never pick them again."""
         self._refused.add((mode, shapes))
         self._hot.get(mode, set()).discard(shapes)

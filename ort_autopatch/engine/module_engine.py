@@ -27,7 +27,7 @@ from ort_autopatch.engine import (
 from ort_autopatch.engine.backend import choose
 from ort_autopatch.engine.build import Builder
 from ort_autopatch.engine.cache import GraphCache
-from ort_autopatch.engine.callkey import CallKey, Guards, KeyMaker, Shapes
+from ort_autopatch.engine.callkey import CallKey, Guards, KeyMaker, Mode, Shapes
 from ort_autopatch.engine.entry import Entry, Specialises
 from ort_autopatch.engine.errors import (
     BuildOverBudget,
@@ -94,8 +94,7 @@ class ModuleEngine:
         self._lock = threading.Lock()
         self._build_lock = threading.RLock()  # one build at a time per module
         self._verified: dict[CallKey, int] = {}  # key -> calls verified
-        # (grad mode, train flag, autocast state) -> key last used
-        self._trusted: dict[tuple[bool, bool, amp.State], CallKey] = {}
+        self._trusted: dict[Mode, CallKey] = {}  # the key last used in each mode
         self._calls = 0  # calls taken, for the rebuild budget (budget.too_many_rebuilds)
         backend = choose(self.options.backend)
         self._backend = backend(self._cls, self.options, self._forward)
@@ -225,7 +224,7 @@ class ModuleEngine:
         autocast = None
         if _any_autocast():  # one C call while autocast is off
             autocast = amp.state(self._device_type(call))
-        mode = (torch.is_grad_enabled(), module.training, autocast)
+        mode: Mode = (torch.is_grad_enabled(), module.training, autocast)
         shapes = self._shapes  # `ShapePolicy.pick`, inlined: every call asks
         hot, earned = (None, False) if shapes.per_shape else shapes.hot.pick(mode, call.shapes)
         if trust_last and not earned and mode in self._trusted:
@@ -259,7 +258,7 @@ class ModuleEngine:
             )
         checked = len(self.verifications)
         try:
-            key, entry = self._entry(module, state, call, grad, requires, hot, autocast)
+            key, entry = self._entry(module, state, call, mode, grad, requires, hot, autocast)
         except EngineError as exc:
             if hot is None or self._shapes.per_shape:
                 raise
@@ -274,7 +273,7 @@ class ModuleEngine:
             # there: the dynamic graph serves these shapes.
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
             self._shapes.hot.refuse(mode, hot)
-            key, entry = self._entry(module, state, call, grad, requires, None, autocast)
+            key, entry = self._entry(module, state, call, mode, grad, requires, None, autocast)
         if len(self.verifications) > checked:
             # the build compared this very call with eager (`Backend.verifies_first_call`):
             # one of the key's --verify calls, not run twice
@@ -282,7 +281,7 @@ class ModuleEngine:
         elif self.options.verify and self._verified.get(key, 0) < self.options.verify:
             self._verified[key] = self._verified.get(key, 0) + 1
             self._verify(module, entry, state, call, grad, key)
-        self._keys.used(key)
+        self._keys.used(key, mode)
         self._trusted[mode] = key
         return entry.run(state, call, recompute)
 
@@ -291,12 +290,14 @@ class ModuleEngine:
         module: torch.nn.Module,
         state: ModuleState,
         call: signature.FlatCall,
+        mode: Mode,
         grad: bool,
         requires: list[bool],
         hot: Shapes | None,
         autocast: amp.State,
     ) -> tuple[CallKey, Entry]:
-        """The call's key and its graph, built on a miss."""
+        """The call's key and its graph, built on a miss (explained against the last key
+        used in `mode`)."""
         key = self._key(grad, call, requires, hot, autocast)
         entry = self._cache.get(key)
         if entry is not None:
@@ -313,7 +314,7 @@ class ModuleEngine:
             if refused is not None:
                 raise refused
             base = dataclasses.replace(key, shapes=None)
-            reason = self._shapes.miss_reason(base, call, self._keys.miss_reason(key))
+            reason = self._shapes.miss_reason(base, call, self._keys.miss_reason(key, mode))
             try:
                 entry = self._cache.get_or_build(
                     key,

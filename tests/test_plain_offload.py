@@ -22,6 +22,16 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_child() -> Any:
+    """Each test starts and ends without a child kept from an earlier build."""
+    from ort_autopatch.engine.backends.ort import offload
+
+    offload.close_kept()
+    yield
+    offload.close_kept()
+
+
 class Conv(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -316,3 +326,50 @@ def test_a_fresh_processs_first_build_imports_neither_onnx_nor_the_exporter() ->
     done = run([PY, "-c", _FRESH], cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["GraphFunctionBackward", "False", "False"], done.stdout
+
+
+def test_a_later_build_reuses_the_child_and_a_quiet_one_is_closed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A process's second graph (another class, here) is lowered by the child the first build
+    forked, which has the exporter imported: one fork, not one per build (each new child paid
+    the exporter's imports again, 1.3 s). A child no build asks for within `IDLE_SECONDS` is
+    closed: it holds this process's memory as it was at the fork."""
+    import os
+    import time
+
+    from ort_autopatch.engine.backends.ort import offload
+
+    spawned: list[offload.Lowerer] = []
+    spawn = offload.Lowerer.spawn.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[offload.Lowerer]) -> offload.Lowerer | None:
+        lowerer = spawn(cls)
+        if lowerer is not None:
+            spawned.append(lowerer)
+        return lowerer
+
+    monkeypatch.setattr(offload.Lowerer, "spawn", classmethod(counted))
+    _first_call(monkeypatch, tmp_path)  # a transformer layer, lowered by a new child
+    assert len(spawned) == 1
+    torch.manual_seed(0)
+    model, eager = Conv(), Conv()
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    out = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))(x)
+    assert ran_in_plain_ort(out)
+    torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
+    assert len(spawned) == 1, "the second build forked a child of its own"
+    pid = spawned[0]._child.pid
+    os.kill(pid, 0)  # kept between builds
+    monkeypatch.setattr(offload, "IDLE_SECONDS", 0.05)
+    offload.Lowerer.start().release()  # type: ignore[union-attr]  # taken, given back
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the idle child was not closed")

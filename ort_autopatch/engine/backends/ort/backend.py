@@ -246,7 +246,7 @@ class OrtBackend(Backend):
                     raise failed
         finally:
             if lowerer is not None:
-                lowerer.close()
+                lowerer.release()  # kept for the process's next build
         return captured, lowered.lower(captured, cls, graphs), SizeGuards(call.shapes())
 
     def _trace(self, miss: Miss, progress: Progress, table: dict[Any, Any]) -> Any:

@@ -7,7 +7,8 @@ this process imports aot_autograd and traces; the child names the operators torc
 translates, warms the translator up, then lowers the two graphs the trace sent it and returns
 their ONNX bytes. This process then never imports the exporter or onnx for that build. Only
 where a core is free: on a busy machine the child's own CPU costs more than the overlap gains
-(`_core_to_spare`).
+(`_core_to_spare`). The child then stays for the process's next build while builds keep
+coming (`Lowerer.release`, `IDLE_SECONDS`): a second class, shape or mode pays no import.
 
 The decomposition table the trace needs depends on what torchlib translates, which the child
 knows only once its imports are done (1.5 s of a fresh process, most of the first call): the
@@ -344,8 +345,9 @@ def _warm_up() -> None:
 def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
     """The child: import, name what torchlib translates, lower what comes (a second request
     follows a trace made again with the child's names) until this process closes it."""
-    # no collections: the child lives for one build, and its imports and translation make
-    # objects by the hundred thousand (0.05 s of collections measured in the imports alone)
+    # no automatic collections: its imports and translations make objects by the hundred
+    # thousand (0.05 s of collections measured in the imports alone); one collection after
+    # each answer, while the parent has its graphs, frees what a lowering left
     gc.disable()
     from ort_autopatch.engine.backends.ort import lowered, lowering
 
@@ -364,6 +366,8 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
         graphs = [None if g is None else decode(g, fake=False) for g in (forward, backward)]
         assert graphs[0] is not None
         send(lowered.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
+        del graphs
+        gc.collect()  # kept for later builds: this one's garbage goes while the parent runs
 
 
 #: The shortest window over which CPU use is read (`/proc/stat` counts in 10 ms ticks).
@@ -459,8 +463,19 @@ def _core_to_spare(probe: _CoreProbe | None = None) -> bool:
     return (probe or _CoreProbe.begin()).free()
 
 
+#: A child no build has asked for this long is closed. Between builds it costs no CPU, but
+#: it holds this process's memory as it was at the fork, page by page as this process writes
+#: its own copy (the parameters a training step updates): kept only while builds come.
+IDLE_SECONDS = 15.0
+
+_kept_lock = threading.Lock()
+_kept: list[tuple[Lowerer, threading.Timer]] = []  # the child between two builds, if any
+
+
 class Lowerer:
-    """A child lowering one build's exact-shape graphs (see the module's docstring)."""
+    """A child lowering the exact-shape graphs of a process's builds (see the module's
+    docstring): forked for one build and kept for the next (`release`), whose lowering then
+    pays no import (a DCGAN's three graphs: 1.3 s of the exporter's imports each, before)."""
 
     def __init__(self, child: sandbox.Child) -> None:
         self._child = child
@@ -469,9 +484,16 @@ class Lowerer:
 
     @classmethod
     def start(cls) -> Lowerer | None:
-        """A child importing the exporter now; None where forking is unavailable, where this
-        process has imported the exporter already (lowering here costs no import), or where
-        no core is free for the child (`_core_to_spare`)."""
+        """The child kept from an earlier build; else a child importing the exporter now;
+        None where forking is unavailable, where this process has imported the exporter
+        already (lowering here costs no import), or where no core is free for a new child
+        (`_core_to_spare`: a kept child has its imports done and costs what lowering here
+        would)."""
+        with _kept_lock:
+            if _kept:
+                kept, timer = _kept.pop()
+                timer.cancel()
+                return kept
         if _EXPORTER in sys.modules:
             return None
         probe = _CoreProbe.begin()
@@ -564,5 +586,35 @@ class Lowerer:
             self._failed = True
             return None
 
+    def release(self) -> None:
+        """The build is done with the child: kept for the next build for `IDLE_SECONDS`
+        (one child per process; a failed one, or a second, is closed)."""
+        with _kept_lock:
+            if self._failed or _kept:
+                self.close()
+                return
+            timer = threading.Timer(IDLE_SECONDS, self._expire)
+            timer.daemon = True
+            timer.name = "ort_autopatch-lowering-child"
+            _kept.append((self, timer))
+            timer.start()
+
+    def _expire(self) -> None:
+        with _kept_lock:
+            if not any(kept is self for kept, _ in _kept):
+                return  # a build took it meanwhile
+            _kept.clear()
+        self.close()
+
     def close(self) -> None:
         self._child.close()
+
+
+def close_kept() -> None:
+    """Close the child kept between builds, if any (a test's clean state)."""
+    with _kept_lock:
+        kept = list(_kept)
+        _kept.clear()
+    for lowerer, timer in kept:
+        timer.cancel()
+        lowerer.close()

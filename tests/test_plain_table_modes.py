@@ -423,3 +423,42 @@ def test_adaptive_average_pools_equal_eager(
     dynamic = [r.dynamic for r in engine.records]
     # symbolic: windows that tile and windows that do not take a graph each (a size guard)
     assert dynamic[0] is False and any(dynamic) == symbolic
+
+
+# -- leaky ReLU's gradient -----------------------------------------------------------------------
+class Leaky(nn.Module):
+    def __init__(self, slope: float) -> None:
+        super().__init__()
+        self.act = nn.LeakyReLU(slope)
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x * self.scale)
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (2, 3, 4, 5)], ids=str)
+def test_leaky_relu_gradient_equals_eager_at_every_rank(
+    shape: tuple[int, ...], symbolic: bool
+) -> None:
+    """`leaky_relu_backward` (a product with an exact factor, not ORT's `Where`) through ORT,
+    zeros included, at sizes other than the traced one for the symbolic graph."""
+    shapes = [shape, tuple(s + 2 for s in shape), tuple(s + 1 for s in shape)]
+    shapes = shapes if symbolic else [shape] * 3
+    model, eager = Leaky(0.2), Leaky(0.2)
+    engine = ModuleEngine(model, PLAIN)
+    for step, size in enumerate(shapes):
+        x = torch.randn(size)
+        x.view(-1)[0] = 0.0
+        x_eager = x.clone().requires_grad_(True)
+        x = x.requires_grad_(True)
+        y, expected = engine(x), eager(x_eager)
+        assert ran_in_plain_ort(y), f"call {step} ({size}) ran elsewhere"
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        model.zero_grad()
+        eager.zero_grad()
+        cotangent = torch.randn_like(y)
+        y.backward(cotangent)
+        expected.backward(cotangent)
+        torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(model.scale.grad, eager.scale.grad, rtol=1e-5, atol=1e-6)

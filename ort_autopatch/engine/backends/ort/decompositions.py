@@ -17,7 +17,8 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - `max_pool2d_with_indices` and its backward, for pools whose windows tile the input: an
   elementwise maximum over the windows' strided slices, with no indices (ORT's MaxPool with
   indices is nine times slower than without), no scatter and no small trailing window axis.
-- `threshold_backward` (ReLU's): a product with the mask instead of ORT's slow `Where`.
+- `threshold_backward` (ReLU's) and `leaky_relu_backward`: a product with the mask instead of
+  ORT's slow `Where` (ten times a Greater, a Cast and a Mul on a CNN's activations).
 - `select_backward` and `slice_backward`: as pads rather than torch's scatters into zeros,
   which ORT runs as ScatterElements (a quarter of a transformer layer's step).
 - `avg_pool2d_backward` and `_adaptive_avg_pool2d_backward` (the cases an average pool is a
@@ -527,6 +528,18 @@ def threshold_backward(
     return grad_output * (self > threshold).to(grad_output.dtype)
 
 
+def leaky_relu_backward(
+    grad_output: torch.Tensor, self: torch.Tensor, negative_slope: float, self_is_result: bool
+) -> torch.Tensor:
+    """LeakyReLU's gradient as a product with a factor that is exactly 1 where the input is
+    positive and exactly the slope elsewhere (NaN inputs included, as in ATen): ORT's CPU
+    `Where` ran 1.0 ms on a DCGAN discriminator's (16, 32, 16, 16) activations, this 0.1 ms.
+    The factor never multiplies a gradient by 0, so infinite and NaN gradients come out as
+    eager's too. `self_is_result` changes nothing: a positive slope keeps the sign."""
+    positive = (self > 0).to(grad_output.dtype)
+    return grad_output * (positive + (1 - positive) * negative_slope)
+
+
 def native_batch_norm_legit_functional(
     input: torch.Tensor,
     weight: torch.Tensor | None,
@@ -673,6 +686,7 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.max_pool2d_with_indices.default: max_pool2d_with_indices,
     aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
     aten.threshold_backward.default: threshold_backward,
+    aten.leaky_relu_backward.default: leaky_relu_backward,
     aten.select_backward.default: select_backward,
     aten.slice_backward.default: slice_backward,
     aten.diagonal_backward.default: diagonal_backward,

@@ -178,4 +178,6 @@ def _patch_found_class(config: Config, cls: type) -> None:
     # Imported here: the patcher imports torch, which install() itself must not.
     from ort_autopatch import patcher
 
-    patcher.patch(cls, patcher.Settings.from_config(config))
+    settings = patcher.Settings.from_config(config)
+    patcher.patch(cls, settings)
+    patcher.prepare(settings)  # the import hook found a class: a first build will come

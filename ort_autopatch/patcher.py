@@ -111,6 +111,25 @@ def is_patched(cls: type) -> bool:
     return cls in _patched
 
 
+_prepared: list[str] = []  # backend options told the process will build (`prepare`)
+
+
+def prepare(settings: Settings) -> None:
+    """The import hook patched a selected class: its backend may start, once per process,
+    what overlaps the user's setup with the first build (`Backend.prepare`). Never raises:
+    the user's import goes on whatever the backend makes of it."""
+    from ort_autopatch.engine import backend
+
+    with _lock:
+        if settings.engine.backend in _prepared:
+            return
+        _prepared.append(settings.engine.backend)
+    try:
+        backend.backend_class(backend.resolve(settings.engine.backend)).prepare(settings.engine)
+    except Exception as exc:  # pragma: no cover - a backend's preparation is optional
+        log.debug("backend preparation failed: %s", exc)
+
+
 def patch(cls: type, settings: Settings | None = None) -> bool:
     """Patch `cls` in place, its calls using `settings` (defaults when None; the public
     `ort_autopatch.patch` passes the configuration `install()` would use); False if it already

@@ -373,3 +373,54 @@ def test_a_later_build_reuses_the_child_and_a_quiet_one_is_closed(
         time.sleep(0.05)
     else:
         pytest.fail("the idle child was not closed")
+
+
+def test_the_import_hook_forks_the_child_before_the_first_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A class the import hook patches has its backend prepare (`Backend.prepare`): the
+    plain backend forks the lowering child then, once per process, so its imports overlap
+    the user's setup; the first build takes that child (no second fork) and gives eager's
+    numbers."""
+    import ort_autopatch
+    from ort_autopatch import patcher
+    from ort_autopatch.config import Config
+    from ort_autopatch.engine.backends.ort import offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_core_to_spare", lambda probe=None: True)
+    monkeypatch.setattr(offload, "_prestarted", [])
+    monkeypatch.setattr(patcher, "_prepared", [])
+    spawned: list[offload.Lowerer] = []
+    spawn = offload.Lowerer.spawn.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[offload.Lowerer]) -> offload.Lowerer | None:
+        lowerer = spawn(cls)
+        if lowerer is not None:
+            spawned.append(lowerer)
+        return lowerer
+
+    monkeypatch.setattr(offload.Lowerer, "spawn", classmethod(counted))
+
+    class Found(Conv):
+        pass
+
+    class AlsoFound(Conv):
+        pass
+
+    config = Config(backend="ort")
+    try:
+        ort_autopatch._patch_found_class(config, Found)
+        ort_autopatch._patch_found_class(config, AlsoFound)
+        assert len(spawned) == 1 and offload._kept, "no child forked at patch time"
+        torch.manual_seed(0)
+        model, eager = Found(), Conv()
+        eager.load_state_dict(model.state_dict())
+        x = torch.randn(2, 3, 8, 8)
+        out = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))(x)
+        assert ran_in_plain_ort(out)
+        torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
+        assert len(spawned) == 1, "the first build forked a child of its own"
+    finally:
+        patcher.unpatch(Found)
+        patcher.unpatch(AlsoFound)

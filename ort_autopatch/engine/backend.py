@@ -230,6 +230,13 @@ class Backend(ABC):
         run would otherwise wait or start without it."""
         return []
 
+    @classmethod
+    def prepare(cls, options: EngineOptions) -> None:
+        """The import hook patched a selected class: this process will likely build graphs
+        soon. Start what can run beside the user's own setup (model, data, optimizer), on
+        another core, and never delay or fail the import that patched it."""
+        return None
+
     def random_operators(self, recipe: Recipe) -> list[str] | None:
         """The forward graph's random operators, when the backend knows them without
         reading the graph (None: `verify` reads it); a graph that draws is not compared."""

@@ -42,7 +42,7 @@ from ort_autopatch.engine.errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from ort_autopatch.engine.recipe import Miss, Recipe
+from ort_autopatch.engine.recipe import EngineOptions, Miss, Recipe
 from ort_autopatch.engine.signature import FlatCall
 from ort_autopatch.engine.sizes import SizeGuards
 
@@ -104,6 +104,14 @@ class OrtBackend(Backend):
     ignores: ClassVar[tuple[str, ...]] = ("opset", "torch_ops", "no_torch_ops", "compile_executor")
     #: a graph's numbers are trusted once its first call matched eager's (`verify`)
     verifies_first_call: ClassVar[bool] = True
+
+    @classmethod
+    def prepare(cls, options: EngineOptions) -> None:
+        """A lowering child forked now imports the exporter while the user's script sets
+        up (`offload.prestart`): the process's first build then finds it ready."""
+        from ort_autopatch.engine.backends.ort import offload
+
+        offload.prestart()
 
     @staticmethod
     def graph_version() -> str:

@@ -586,14 +586,15 @@ class Lowerer:
             self._failed = True
             return None
 
-    def release(self) -> None:
-        """The build is done with the child: kept for the next build for `IDLE_SECONDS`
-        (one child per process; a failed one, or a second, is closed)."""
+    def release(self, idle: float | None = None) -> None:
+        """The build is done with the child: kept for the next build for `idle` seconds
+        (`IDLE_SECONDS` by default; one child per process; a failed one, or a second, is
+        closed)."""
         with _kept_lock:
             if self._failed or _kept:
                 self.close()
                 return
-            timer = threading.Timer(IDLE_SECONDS, self._expire)
+            timer = threading.Timer(IDLE_SECONDS if idle is None else idle, self._expire)
             timer.daemon = True
             timer.name = "ort_autopatch-lowering-child"
             _kept.append((self, timer))
@@ -608,6 +609,30 @@ class Lowerer:
 
     def close(self) -> None:
         self._child.close()
+
+
+#: A child forked before any build waits this long for the first one (a script's setup:
+#: imports, data, the model and optimizer) before it is closed.
+PRESTART_IDLE_SECONDS = 120.0
+
+_prestarted: list[bool] = []  # once per process
+
+
+def prestart() -> None:
+    """Fork the lowering child now, before the process's first build, where a core is free:
+    its 1.3 s of imports then overlap the user's script setting up instead of the first
+    call. Once per process; nothing where the exporter is imported here already, a child is
+    kept, or forking is unavailable. Reading whether a core is free waits out the probe's
+    window (`WINDOW_SECONDS`, once per process, in the import that patched the class)."""
+    with _kept_lock:
+        if _prestarted or _kept or _EXPORTER in sys.modules:
+            return
+        _prestarted.append(True)
+    if not _core_to_spare():
+        return
+    lowerer = Lowerer.spawn()
+    if lowerer is not None:
+        lowerer.release(PRESTART_IDLE_SECONDS)
 
 
 def close_kept() -> None:

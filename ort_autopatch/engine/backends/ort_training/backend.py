@@ -26,8 +26,10 @@ from ort_autopatch.engine.backends.ort_training import agent, recipe_build
 from ort_autopatch.engine.backends.ort_training.derived import Derived
 from ort_autopatch.engine.backends.ort_training.payload import (
     OrtTrainingPayload,
-    graph_version,
     payload_of,
+)
+from ort_autopatch.engine.backends.ort_training.payload import (
+    graph_version as _graph_version,
 )
 from ort_autopatch.engine.backends.ort_training.run import (
     AgentProgram,
@@ -99,7 +101,7 @@ class OrtTrainingBackend(Backend):
 
     @staticmethod
     def graph_version() -> str:
-        return graph_version()
+        return _graph_version()
 
     @staticmethod
     def payload_from(meta: dict[str, Any], graphs: dict[str, bytes]) -> OrtTrainingPayload:

@@ -46,6 +46,9 @@ class _NeedsStaticShapes(Exception):
 
 
 def build(backend: OrtTrainingBackend, miss: Miss, progress: Progress) -> tuple[Recipe, float]:
+    """The recipe for `miss` and the seconds its export took: one graph with dynamic axes
+    when ORT 1.19.2 can differentiate it so, else one for the call's shapes (said through
+    `progress.specialises`)."""
     from ort_autopatch.engine.backends.ort_training import graph
 
     dynamic = miss.shapes is None

@@ -114,10 +114,6 @@ def new_spec(
     return spec
 
 
-def spec_named(name: str) -> NodeSpec | None:
-    return _specs.get(name)
-
-
 class _Registered(torch.autograd.Function):
     """What ORT's function pool stores per name (it insists on an autograd.Function); our
     runners ignore it and find the node's NodeSpec by name."""

@@ -46,12 +46,12 @@ def test_the_training_builds_cache_version_covers_the_exporters_sources(
 ) -> None:
     """Besides the passes, what the TorchScript export writes decides the stored graphs: its
     call protocol, the extra symbolics and the routing of operators to torch."""
-    from ort_autopatch.engine.backends.ort_training import backend
+    from ort_autopatch.engine.backends.ort_training import payload
 
-    derive = backend._graph_version.__wrapped__
+    derive = payload.graph_version.__wrapped__
     before = derive()
-    assert set(backend._EXPORT_SOURCES) >= {"export.py", "symbolics.py"}
-    for dropped in backend._EXPORT_SOURCES:
-        kept = tuple(n for n in backend._EXPORT_SOURCES if n != dropped)
-        monkeypatch.setattr(backend, "_EXPORT_SOURCES", kept)
+    assert set(payload._EXPORT_SOURCES) >= {"export.py", "symbolics.py"}
+    for dropped in payload._EXPORT_SOURCES:
+        kept = tuple(n for n in payload._EXPORT_SOURCES if n != dropped)
+        monkeypatch.setattr(payload, "_EXPORT_SOURCES", kept)
         assert derive() != before, dropped

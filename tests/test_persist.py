@@ -9,10 +9,8 @@ from torch.utils import _pytree as pytree
 
 from ort_autopatch.engine import calls, hazards, persist
 from ort_autopatch.engine.backends.ort_training import agent
-from ort_autopatch.engine.backends.ort_training.backend import (
-    OrtTrainingBackend,
-    OrtTrainingPayload,
-)
+from ort_autopatch.engine.backends.ort_training.backend import OrtTrainingBackend
+from ort_autopatch.engine.backends.ort_training.payload import OrtTrainingPayload
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.state import ModuleState
 from ort_autopatch.engine.store import StoredEntry

@@ -321,7 +321,7 @@ def _export_once(
             _watching_conversions(conversions),
             symbolics.registered(
                 opset,
-                symbolics.for_export(routed),
+                _symbolics_for(routed),
             ),
             tracing.export_rewrites(),
             torch.no_grad(),
@@ -382,6 +382,19 @@ def _export_once(
         findings=found,
         checks=wrapper.checks,
     )
+
+
+def _symbolics_for(routed: frozenset[str] = frozenset()) -> dict[str, Callable[..., Any]]:
+    """Every symbolic one export needs: ours, custom autograd Functions as torch-calling nodes,
+    and the ATen operators in `routed` (e.g. "aten::cummax") as torch-calling nodes."""
+    from ort_autopatch.engine.backends.ort_training import symbolics
+    from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
+
+    found: dict[str, Callable[..., Any]] = dict(symbolics.SYMBOLICS)
+    found["prim::PythonOp"] = routing.autograd_function
+    for name in routed:
+        found[name] = routing.aten_symbolic(name)
+    return found
 
 
 def _trace_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -211,18 +211,6 @@ def _current_override(name: str, opset: int) -> Callable[..., Any] | None:
     return functions._overrides.get(opset) if functions.overridden(opset) else None
 
 
-def for_export(routed: frozenset[str] = frozenset()) -> dict[str, Callable[..., Any]]:
-    """Every symbolic one export needs: ours, custom autograd Functions as torch-calling nodes,
-    and the ATen operators in `routed` (e.g. "aten::cummax") as torch-calling nodes."""
-    from ort_autopatch.engine.backends.ort_training.torch_in_graph import routing
-
-    found: dict[str, Callable[..., Any]] = dict(SYMBOLICS)
-    found["prim::PythonOp"] = routing.autograd_function
-    for name in routed:
-        found[name] = routing.aten_symbolic(name)
-    return found
-
-
 @contextlib.contextmanager
 def registered(
     opset: int, symbolics: dict[str, Callable[..., Any]] | None = None

@@ -308,10 +308,7 @@ def _python_node(node: Any, label: str, binding: _Binding, outputs: list[str]) -
     from onnx import TensorProto, helper
 
     spec = nodes.new_spec(
-        label,
-        "aten",
-        binding.python,
-        [TENSOR] * len(binding.input_ranks),
+        nodes.Callee(label, "aten", binding.python, [TENSOR] * len(binding.input_ranks)),
         [False] * len(binding.input_ranks),
         [False] * len(binding.output_ranks),
         output_dtypes=[torch.float32] * len(binding.output_ranks),

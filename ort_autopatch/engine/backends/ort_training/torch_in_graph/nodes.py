@@ -65,6 +65,19 @@ class NodeSpec:
     clone_inputs: bool = False  # until the first run shows it never writes its inputs
 
 
+@dataclass(frozen=True)
+class Callee:
+    """What a node calls, as the exporter knows it before the node's values are typed (the
+    fields `NodeSpec` starts from; `new_spec` adds the dtypes)."""
+
+    label: str
+    kind: str
+    call: Callable[..., Any]
+    template: list[Any]
+    random: bool = False
+    clone_inputs: bool = False
+
+
 _specs: dict[str, NodeSpec] = {}
 _counter = itertools.count()
 _lock = threading.Lock()
@@ -81,41 +94,32 @@ def supported_platform() -> str | None:
 
 
 def new_spec(
-    label: str,
-    kind: str,
-    call: Callable[..., Any],
-    template: list[Any],
+    callee: Callee,
     bool_inputs: list[bool],
     bool_outputs: list[bool],
-    random: bool = False,
-    clone_inputs: bool = False,
     output_dtypes: Sequence[torch.dtype] = (),
 ) -> NodeSpec:
     """Register a node's callable under a fresh name (ORT holds the name for the process)."""
     ensure_runners()
     with _lock:
-        name = f"{NAME_PREFIX}{kind}.{next(_counter)}"
+        name = f"{NAME_PREFIX}{callee.kind}.{next(_counter)}"
         spec = NodeSpec(
             name,
-            label,
-            kind,
-            call,
-            template,
+            callee.label,
+            callee.kind,
+            callee.call,
+            callee.template,
             bool_inputs,
             bool_outputs,
             len(bool_outputs),
-            random=random,
-            clone_inputs=clone_inputs,
+            random=callee.random,
+            clone_inputs=callee.clone_inputs,
             output_dtypes=list(output_dtypes),
         )
         _specs[name] = spec
     _, capi = _ort()
     capi.register_torch_autograd_function(name, _Registered)
     return spec
-
-
-def spec_named(name: str) -> NodeSpec | None:
-    return _specs.get(name)
 
 
 class _Registered(torch.autograd.Function):

@@ -66,22 +66,11 @@ def _tensor_outputs(node: Any, label: str) -> list[Any]:
     return outputs
 
 
-def emit(
-    g: Any,
-    *,
-    label: str,
-    kind: str,
-    call: Callable[..., Any],
-    template: list[Any],
-    tensors: list[Any],
-    outputs: list[Any],
-    random: bool = False,
-    clone_inputs: bool = False,
-) -> list[Any]:
+def emit(g: Any, callee: nodes.Callee, tensors: list[Any], outputs: list[Any]) -> list[Any]:
     """One PythonOp node; returns its outputs (the context output left out).
 
-    `template` is the flat argument list with TENSOR (or a `_Scalar_` marker) where each of
-    `tensors` goes; `outputs` are the traced values whose dtype and rank the node declares.
+    `callee.template` is the flat argument list with TENSOR (or a `_Scalar_` marker) where each
+    of `tensors` goes; `outputs` are the traced values whose dtype and rank the node declares.
     """
     bool_inputs = [_Scalar.from_value(t, _Scalar.UNDEFINED) == _Scalar.BOOL for t in tensors]
     out_types = []
@@ -89,20 +78,10 @@ def emit(
     for out in outputs:
         scalar = _Scalar.from_value(out, _Scalar.UNDEFINED)
         if scalar == _Scalar.UNDEFINED:
-            raise NotRoutable(f"{label}: an output has no known dtype")
+            raise NotRoutable(f"{callee.label}: an output has no known dtype")
         bool_outputs.append(scalar == _Scalar.BOOL)
         out_types.append(_Scalar.UINT8 if scalar == _Scalar.BOOL else scalar)
-    spec = nodes.new_spec(
-        label,
-        kind,
-        call,
-        template,
-        bool_inputs,
-        bool_outputs,
-        random,
-        clone_inputs,
-        [s.dtype() for s in out_types],
-    )
+    spec = nodes.new_spec(callee, bool_inputs, bool_outputs, [s.dtype() for s in out_types])
     values = g.op(
         f"{nodes.DOMAIN}::{nodes.OP_TYPE}",
         *tensors,
@@ -114,7 +93,7 @@ def emit(
         output_tensor_ranks_i=[_rank(o) for o in outputs],
         training_mode_i=1,
         safe_run_mode_i=1,
-        comment_s=label,
+        comment_s=callee.label,
         outputs=len(outputs) + 1,
     )
     results = []
@@ -156,17 +135,8 @@ def autograd_function(g: Any, *args: Any, **kwargs: Any) -> Any:
             )
         template.append(arg)
     outputs = _tensor_outputs(n, label)
-    results = emit(
-        g,
-        label=label,
-        kind="function",
-        call=function.apply,
-        template=template,
-        tensors=tensors,
-        outputs=outputs,
-        random=False,
-        clone_inputs=True,
-    )
+    callee = nodes.Callee(label, "function", function.apply, template, clone_inputs=True)
+    results = emit(g, callee, tensors, outputs)
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -355,16 +325,9 @@ def aten_symbolic(name: str) -> Callable[..., Any]:
             return overload(*args, **kwargs)
 
         outputs = _tensor_outputs(node, name)
-        results = emit(
-            g,
-            label=name,
-            kind="aten",
-            call=call,
-            template=template,
-            tensors=tensors,
-            outputs=outputs,
-            random=random_ops.aten(name),  # runs under the tool's generator
-        )
+        # a random operator runs under the tool's generator
+        callee = nodes.Callee(name, "aten", call, template, random=random_ops.aten(name))
+        results = emit(g, callee, tensors, outputs)
         return results[0] if len(results) == 1 else tuple(results)
 
     return symbolic

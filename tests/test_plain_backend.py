@@ -110,14 +110,14 @@ def test_transposes_that_undo_each_other_are_the_feed_itself_and_others_are_kept
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.backends.ort import capture
+    from ort_autopatch.engine.backends.ort import fx_passes
 
     w = torch.arange(float(torch.Size(shape).numel())).view(shape)
     assert torch.equal(chain(w), w) is identity
     gm = make_fx(lambda w: chain(w) * 2)(w)
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     mul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
-    assert capture._unpermuted(mul.args[0]) is (placeholder if identity else None)
+    assert fx_passes._unpermuted(mul.args[0]) is (placeholder if identity else None)
 
 
 @pytest.mark.parametrize(
@@ -134,12 +134,12 @@ def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.backends.ort import capture
+    from ort_autopatch.engine.backends.ort import fx_passes
 
     x = torch.randn(2, 3, 4)
     gm = make_fx(lambda x: reduce(x) * 2)(x)
-    capture._sums_without_kept_dims(gm)
-    reshapes = [n for n in gm.graph.nodes if n.target in capture._RESHAPES]
+    fx_passes.sums_without_kept_dims(gm)
+    reshapes = [n for n in gm.graph.nodes if n.target in fx_passes._RESHAPES]
     assert bool(reshapes) is not folded
     assert torch.equal(gm(x), reduce(x) * 2)
 

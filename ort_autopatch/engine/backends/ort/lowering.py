@@ -253,7 +253,7 @@ def promote_types(gm: torch.fx.GraphModule) -> None:
     so that `to_onnx` does not run it twice."""
     from torch.onnx._internal.fx.passes import type_promotion
 
-    from ort_autopatch.engine.backends.ort.capture import real_constants_allowed
+    from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
 
     with EXPORT_LOCK, real_constants_allowed():  # see `to_onnx`
         type_promotion.InsertTypePromotion(gm).run()
@@ -268,7 +268,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
-    from ort_autopatch.engine.backends.ort.capture import real_constants_allowed
+    from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
 
     missing = missing_operators(gm)
     if missing:

@@ -155,6 +155,37 @@ def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> 
     assert ops.count("ReduceSum") == 2 and "Reshape" not in ops
 
 
+def test_the_capture_runs_the_passes_the_declaration_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The capture runs `passes.PARTITIONED` as declared when it runs: a pass taken out of the
+    declaration leaves its effect out of the graphs (the bias gradient's reshape stays)."""
+    from ort_autopatch.engine import signature
+    from ort_autopatch.engine.backends.ort import capture, decompositions, fx_passes, passes
+
+    def reshaped_sums() -> int:
+        call = signature.flatten_call("M", (torch.randn(8, 20),), {})
+        captured = capture.capture(
+            nn.Linear(20, 5),
+            lambda m, *a, **k: m(*a, **k),
+            call.spec(),
+            call.tensors,
+            "M",
+            decompositions.table(),
+        )
+        assert captured.backward is not None
+        return sum(
+            n.target in fx_passes._RESHAPES and n.args[0].target is torch.ops.aten.sum.dim_IntList
+            for n in captured.backward.graph.nodes
+        )
+
+    assert "sums_without_kept_dims" in [p.name for p in passes.PARTITIONED]
+    assert reshaped_sums() == 0
+    kept = tuple(p for p in passes.PARTITIONED if p.name != "sums_without_kept_dims")
+    monkeypatch.setattr(passes, "PARTITIONED", kept)
+    assert reshaped_sums() == 1
+
+
 def test_batchnorm_in_train_mode_normalises_with_batch_statistics() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     _train_like_eager(model, lambda: (torch.randn(4, 3, 6, 6) * 3 + 1,))

@@ -15,9 +15,9 @@ admit.
 
 One job, the trace itself: the call as a flat module (`_Flat`), aot's trace and partition, and
 the descriptors read into a `Captured`. What it enters while it traces (process-wide rewrites
-that make a call traceable) is `trace_context`; the rewrites of the graphs it made are
-`fx_passes`; what each value the backward reads is, `linking`; outputs that are views,
-`aliasing`.
+that make a call traceable) is `trace_context`; the passes over the graphs it made are declared
+in `passes` (the rewrites themselves are `fx_passes`; what each value the backward reads is,
+`linking`; outputs that are views, `aliasing`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from ort_autopatch.engine import budget, calls, tracing
 from ort_autopatch.engine.backends.ort import (
     aliasing,
     draws,
-    fx_passes,
     linking,
+    passes,
     recurrent,
     trace_context,
 )
@@ -171,6 +171,7 @@ def capture(
     from torch._subclasses.fake_tensor import is_fake
 
     flat = _Flat(module, forward, spec)
+    symbolic = any(map(is_fake, tensors))  # symbolic sizes: `symbolic.fake_inputs`
     try:
         with (
             calls.EXPORT_LOCK,  # the rewrites below rebind process-wide state
@@ -187,7 +188,7 @@ def capture(
             trace_context.libraries_tracing(),
             trace_context.real_constants_allowed(),
         ):
-            if not any(map(is_fake, tensors)):  # a symbolic trace's are
+            if not symbolic:  # a symbolic trace's inputs are fake
                 # the trace's first run of forward, in its context: its reads are guards
                 budget.count_run(lambda: flat(*tensors))
             with (
@@ -199,8 +200,7 @@ def capture(
                     stack, flat, tuple(tensors), decompositions=decompositions
                 )
             gm = joint.graph_module
-            if decisions.any:  # LayerDrop's draws: read by the branch alone
-                draws.drop_unread_draws(gm)
+            passes.apply(passes.JOINT, passes.JointGraph(gm, decisions.any))
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             output = next(n for n in gm.graph.nodes if n.op == "output")
             out_descs = list(output.meta["desc"])
@@ -277,9 +277,6 @@ def capture(
             "Run this class eagerly (the default fallback policy does)",
         ) from exc
     assert flat.output_spec is not None
-    for graph in (forward_gm, backward_gm):
-        if graph is not None:
-            fx_passes.real_constants(cls, graph)
     captured = Captured(
         forward=forward_gm,
         backward=backward_gm,
@@ -293,14 +290,10 @@ def capture(
         bases=bases,
         regenerated=regenerated,
     )
-    if backward_gm is not None:
-        linking.link(captured, forward_gm, backward_gm, tangents, num_forward)
-        fx_passes.pass_feeds_through(forward_gm, num_forward)
-    aliasing.drop_regenerated(forward_gm, [user_outputs[k] for k in regenerated])
-    for graph in (forward_gm, backward_gm):
-        if graph is not None:
-            fx_passes.sums_without_kept_dims(graph)
-            fx_passes.int64_indices(graph)
+    passes.apply(
+        passes.PARTITIONED,
+        passes.PartitionedGraphs(cls, captured, tangents, num_forward, symbolic),
+    )
     return captured
 
 

@@ -3,9 +3,9 @@
 One job: turn the forward and backward graphs aot_autograd's partitioner made into graphs that
 ONNX Runtime runs, and runs fast, with the same numbers: constants made real, int32 indices
 widened, reductions without a reshape behind them, saved parameters handed over instead of
-copied. They run after the trace and after the linking of the graphs' inputs and outputs
-(`linking`), on graphs nothing else holds yet; each is tested on its own graphs
-(tests/test_plain_backend.py).
+copied. They run after the trace, in the order `passes` declares (after the linking of the
+graphs' inputs and outputs, `linking`), on graphs nothing else holds yet; each is tested on its
+own graphs (tests/test_plain_backend.py).
 """
 
 from __future__ import annotations

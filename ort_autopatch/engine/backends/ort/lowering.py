@@ -13,6 +13,10 @@ decomposition table needs) without inferring any signature. Importing torchlib a
 fresh process about 1.5 s (onnx's `ml_dtypes` alone half of it), so `read_implemented` reads
 the same names from torchlib's sources, for a trace that cannot wait for that import (its
 answer is confirmed by `implemented` before a graph it decided is used: `offload`).
+
+The exporter's type promotion (`promote_types`, or `to_onnx` itself) rewrites a graph, yet it
+is no pass over the captured graph (`passes`): it is the exporter's own step of translating,
+run where the translation runs (here or in the lowering child), and marked so it runs once.
 """
 
 from __future__ import annotations

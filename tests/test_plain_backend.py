@@ -110,14 +110,14 @@ def test_transposes_that_undo_each_other_are_the_feed_itself_and_others_are_kept
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.backends.ort import capture
+    from ort_autopatch.engine.backends.ort import fx_passes
 
     w = torch.arange(float(torch.Size(shape).numel())).view(shape)
     assert torch.equal(chain(w), w) is identity
     gm = make_fx(lambda w: chain(w) * 2)(w)
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     mul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
-    assert capture._unpermuted(mul.args[0]) is (placeholder if identity else None)
+    assert fx_passes._unpermuted(mul.args[0]) is (placeholder if identity else None)
 
 
 @pytest.mark.parametrize(
@@ -134,12 +134,12 @@ def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.backends.ort import capture
+    from ort_autopatch.engine.backends.ort import fx_passes
 
     x = torch.randn(2, 3, 4)
     gm = make_fx(lambda x: reduce(x) * 2)(x)
-    capture._sums_without_kept_dims(gm)
-    reshapes = [n for n in gm.graph.nodes if n.target in capture._RESHAPES]
+    fx_passes.sums_without_kept_dims(gm)
+    reshapes = [n for n in gm.graph.nodes if n.target in fx_passes._RESHAPES]
     assert bool(reshapes) is not folded
     assert torch.equal(gm(x), reduce(x) * 2)
 
@@ -153,6 +153,37 @@ def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> 
     backward = onnx.load_from_string(plain.lowered.backward)
     ops = [node.op_type for node in backward.graph.node]
     assert ops.count("ReduceSum") == 2 and "Reshape" not in ops
+
+
+def test_the_capture_runs_the_passes_the_declaration_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The capture runs `passes.PARTITIONED` as declared when it runs: a pass taken out of the
+    declaration leaves its effect out of the graphs (the bias gradient's reshape stays)."""
+    from ort_autopatch.engine import signature
+    from ort_autopatch.engine.backends.ort import capture, decompositions, fx_passes, passes
+
+    def reshaped_sums() -> int:
+        call = signature.flatten_call("M", (torch.randn(8, 20),), {})
+        captured = capture.capture(
+            nn.Linear(20, 5),
+            lambda m, *a, **k: m(*a, **k),
+            call.spec(),
+            call.tensors,
+            "M",
+            decompositions.table(),
+        )
+        assert captured.backward is not None
+        return sum(
+            n.target in fx_passes._RESHAPES and n.args[0].target is torch.ops.aten.sum.dim_IntList
+            for n in captured.backward.graph.nodes
+        )
+
+    assert "sums_without_kept_dims" in [p.name for p in passes.PARTITIONED]
+    assert reshaped_sums() == 0
+    kept = tuple(p for p in passes.PARTITIONED if p.name != "sums_without_kept_dims")
+    monkeypatch.setattr(passes, "PARTITIONED", kept)
+    assert reshaped_sums() == 1
 
 
 def test_batchnorm_in_train_mode_normalises_with_batch_statistics() -> None:

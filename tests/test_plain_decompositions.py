@@ -167,7 +167,7 @@ def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> 
     capture puts it) the trace has neither, and the kernel is ATen's again afterwards."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ort_autopatch.engine.backends.ort import capture
+    from ort_autopatch.engine.backends.ort import trace_context
 
     op = aten.adaptive_avg_pool2d.default
     key = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -185,7 +185,7 @@ def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> 
     assert "as_strided" in traced()  # ATen's own: what the entry is for
     # the table's composite entries, as the capture is given them (within the whole table,
     # whose building imports the exporter: absent beside the training build)
-    with capture.composites_replaced(decompositions.BEFORE_AUTOGRAD):
+    with trace_context.composites_replaced(decompositions.BEFORE_AUTOGRAD):
         code = traced()
     assert "as_strided" not in code and "mean" in code
     assert key not in op.py_kernels

@@ -13,6 +13,9 @@ view with eager's `_base`, writes through it reach the base, and autograd raises
 raises (an in-place change of a view of a leaf that requires grad) and routes gradients
 through the view's own backward. An output that is another output's very tensor (`return y, y`)
 is that tensor again, as eager returns one object twice.
+
+At capture, `regenerated` decides which outputs are made so (and from which base), and
+`drop_regenerated` takes them out of the forward graph: ONNX Runtime never computes them.
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ort_autopatch.engine.backends.ort.linking import refuse
+
+if TYPE_CHECKING:
+    from ort_autopatch.engine.backends.ort.capture import Feed
 
 _aten = torch.ops.aten
 #: size arithmetic a view chain may read (symbolic sizes)
@@ -170,3 +178,93 @@ def _name(target: Any) -> str | None:
             return name
         return None
     return _PYTHON_NAMES.get(target)
+
+
+def regenerated(
+    cls: str,
+    joint: Any,
+    gm: torch.fx.GraphModule,
+    feeds: list[Feed],
+    user_outputs: list[int],
+    bases: list[int],
+) -> dict[int, Any]:
+    """The user outputs made on the torch side from their base, by aot's analysis of the
+    outputs (the `Replay` of each): inputs returned as they are, views of inputs, parameters,
+    intermediates or other outputs, and an output returned twice."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    infos = joint._aot_state.fw_metadata.output_info
+    if len(infos) != len(user_outputs):
+        raise refuse(cls, f"{len(infos)} outputs by aot's count, {len(user_outputs)} by ours")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][: len(feeds)]
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    own = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+    first: dict[Any, int] = {}  # a graph value -> the first user output that is it
+    regenerated: dict[int, Any] = {}
+    for k, info in enumerate(infos):
+        node, kind = outs[user_outputs[k]], info.output_type
+        if kind in own:
+            root = viewed_input(node, placeholders)
+            if root is not None:  # views of an input aot hides from autograd (x.chunk(3))
+                source, index, base = "feed", placeholders.index(root), root
+            elif node not in first:
+                first[node] = k
+                continue
+            else:
+                source, index, base = "slot", first[node], node  # returned twice: one tensor
+        elif kind in (OutputType.is_input, OutputType.alias_of_input):
+            source, index, base = "feed", info.base_idx, placeholders[info.base_idx]
+        elif kind in (
+            OutputType.alias_of_intermediate,
+            OutputType.alias_of_intermediate_save_as_output,
+        ):
+            slot = len(user_outputs) + info.base_idx
+            source, index, base = "slot", slot, outs[bases[info.base_idx]]
+        elif kind is OutputType.alias_of_intermediate_base_is_user_output:
+            source, index, base = "slot", info.base_idx, outs[user_outputs[info.base_idx]]
+        else:
+            raise refuse(cls, f"output {k} that aliases other memory ({kind.name})")
+        try:
+            steps = chain(base, node, placeholders)
+        except NotAView as exc:
+            raise refuse(
+                cls, f"output {k} that aliases other memory ({kind.name}) through {exc}"
+            ) from exc
+        regenerated[k] = Replay(source, int(index), steps, bool(info.requires_grad))
+    return regenerated
+
+
+def viewed_input(node: Any, placeholders: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The input `node` is a view of, through views and their items alone, or None.
+    aot's analysis calls multi-output views of an input (`x.chunk(3)`, `x.unbind()`) outputs
+    of their own, which eager returns as views of the input."""
+
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if _name(node.target) is None or not node.args:
+            return None
+        node = node.args[0]
+    if node is not None and node in placeholders and node.meta.get("val") is not None:
+        return node
+    return None
+
+
+def drop_regenerated(forward: torch.fx.GraphModule, outputs: list[int]) -> None:
+    """The forward graph's outputs the torch side makes (`Captured.regenerated`) are None
+    in it: ONNX Runtime neither computes nor copies them; the views only they read go."""
+
+    if not outputs:
+        return
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    dropped = []
+    for k in outputs:
+        if isinstance(outs[k], torch.fx.Node) and outs[k].op != "placeholder":
+            dropped.append(outs[k])
+        outs[k] = None
+    output.args = (tuple(outs),)
+    while dropped:
+        node = dropped.pop()
+        if node.op == "call_function" and not node.users and _name(node.target):
+            dropped.extend(n for n in node.all_input_nodes if n not in dropped)
+            forward.graph.erase_node(node)
+    forward.recompile()

@@ -301,9 +301,6 @@ class OrtBackend(Backend):
                 if found:  # the model's code fixed them: its later graphs say where
                     cause = f"sizes change a traced value ({found[0].where})"
                 raise ValueError("the trace fixed every symbolic size")
-            for gm in (captured.forward, captured.backward):
-                if gm is not None:
-                    symbolic.expand_numel(gm)
             progress.phase = "lowering to ONNX"
             made = lowered.lower(captured, cls)
         except Exception as exc:

@@ -709,7 +709,7 @@ OURS: dict[Any, Callable[..., Any]] = {
 #: composite operators of the table: their ATen kernel (CompositeImplicitAutograd) runs above
 #: autograd and calls other operators, so a trace never hands the operator itself to a
 #: decomposition table; each entry is marked (`before_autograd`), and the capture puts it in
-#: the ATen kernel's place while aot traces (`capture.composites_replaced`).
+#: the ATen kernel's place while aot traces (`trace_context.composites_replaced`).
 BEFORE_AUTOGRAD: dict[Any, Callable[..., Any]] = {
     aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
 }

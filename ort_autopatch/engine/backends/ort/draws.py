@@ -16,7 +16,7 @@ proves rather than by any draw:
 
 Any other conversion of a traced tensor to a Python value is left to the trace as well.
 The draw itself stays out of the graphs: its value is read by nothing but the branch, so the
-capture drops it with the comparison (`drop_unread_draws`).
+capture drops it with the comparison (`drop_unread_draws`, the pass `passes.JOINT` declares).
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@
 needs the exporter, `lower_graphs`, may run in another process, `offload`).
 
 The cold path: nothing here runs on a call. `program` makes sessions of a `Lowered`.
+
+`_outputs_for_onnx` rewrites a graph's outputs, yet it is no pass over the captured graph
+(`passes`): it is the first step of the translation, which may run in the lowering child
+(`offload`), and it makes the graph fit ONNX's outputs (no None, no input, none twice), keeping
+the map from the graph's outputs to the ONNX ones that the `Captured`'s indices need.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ decomposition table needs) without inferring any signature. Importing torchlib a
 fresh process about 1.5 s (onnx's `ml_dtypes` alone half of it), so `read_implemented` reads
 the same names from torchlib's sources, for a trace that cannot wait for that import (its
 answer is confirmed by `implemented` before a graph it decided is used: `offload`).
+
+The exporter's type promotion (`promote_types`, or `to_onnx` itself) rewrites a graph, yet it
+is no pass over the captured graph (`passes`): it is the exporter's own step of translating,
+run where the translation runs (here or in the lowering child), and marked so it runs once.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ def promote_types(gm: torch.fx.GraphModule) -> None:
     so that `to_onnx` does not run it twice."""
     from torch.onnx._internal.fx.passes import type_promotion
 
-    from ort_autopatch.engine.backends.ort.capture import real_constants_allowed
+    from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
 
     with EXPORT_LOCK, real_constants_allowed():  # see `to_onnx`
         type_promotion.InsertTypePromotion(gm).run()
@@ -268,7 +272,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
-    from ort_autopatch.engine.backends.ort.capture import real_constants_allowed
+    from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
 
     missing = missing_operators(gm)
     if missing:

@@ -90,7 +90,8 @@ def _conjuncts(text: str) -> list[str]:
 
 def expand_numel(gm: torch.fx.GraphModule) -> None:
     """`x.numel()` of a symbolic shape (BatchNorm's decomposition asks for it) as the product
-    of its sizes: the exporter translates `sym_size` and integer arithmetic, not `sym_numel`."""
+    of its sizes: the exporter translates `sym_size` and integer arithmetic, not `sym_numel`.
+    A pass of a symbolic trace's graphs (`passes.PARTITIONED`)."""
     import operator
 
     numel = torch.ops.aten.sym_numel.default

@@ -1,0 +1,191 @@
+"""The rewrites of a capture's partitioned FX graphs, each a function of one graph.
+
+One job: turn the forward and backward graphs aot_autograd's partitioner made into graphs that
+ONNX Runtime runs, and runs fast, with the same numbers: constants made real, int32 indices
+widened, reductions without a reshape behind them, saved parameters handed over instead of
+copied. They run after the trace, in the order `passes` declares (after the linking of the
+graphs' inputs and outputs, `linking`), on graphs nothing else holds yet; each is tested on its
+own graphs (tests/test_plain_backend.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ort_autopatch.engine.backends.ort.linking import refuse
+from ort_autopatch.engine.errors import UnsupportedModelError
+
+_aten = torch.ops.aten
+
+
+def _permutation(node: torch.fx.Node, rank: int) -> list[int] | None:
+    """The dimensions of `node`'s input each of its output dimensions is, or None."""
+    if node.op != "call_function":
+        return None
+    dims = list(range(rank))
+    args: Any = node.args
+    if node.target is _aten.t.default:
+        return dims[::-1]
+    if node.target is _aten.transpose.int:
+        a, b = (int(d) % rank if rank else 0 for d in args[1:3])
+        dims[a], dims[b] = dims[b], dims[a]
+        return dims
+    if node.target is _aten.permute.default:
+        return [int(d) % rank for d in args[1]]
+    return None
+
+
+def _unpermuted(node: Any) -> torch.fx.Node | None:
+    """The forward input `node` is, dimension for dimension, through transposes that undo
+    each other (`t(t(w))`), or None."""
+    if not isinstance(node, torch.fx.Node) or node.op == "placeholder":
+        return None
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    order = list(range(value.dim()))  # output dim i is dim order[i] of the current node
+    while (perm := _permutation(node, len(order))) is not None:
+        order = [perm[i] for i in order]
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return None
+    if node.op != "placeholder" or order != list(range(len(order))):
+        return None
+    return node
+
+
+def pass_feeds_through(forward: torch.fx.GraphModule, num_forward: int) -> None:
+    """A saved value that is a forward input itself, transposed back and forth (the MLP's
+    `t(t(fc2.weight))`, which the partitioner saves for the input gradient), is saved as that
+    input: the program then hands the parameter to backward from the torch side (kept as its
+    ORT value from call to call) instead of ORT copying it into a new output every call
+    (an `Identity` node, 25 us of the MLP's 430 us forward run)."""
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    dropped = []
+    for k in range(num_forward, len(outs)):
+        source = _unpermuted(outs[k])
+        if source is not None:
+            dropped.append(outs[k])
+            outs[k] = source
+    if not dropped:
+        return
+    output.args = (tuple(outs),)
+    while dropped:  # the transposes nothing reads any more
+        node = dropped.pop()
+        if node.op == "call_function" and not node.users:
+            dropped.extend(n for n in node.all_input_nodes if n not in dropped)
+            forward.graph.erase_node(node)
+    forward.recompile()
+
+
+def real_constants(cls: str, gm: torch.fx.GraphModule) -> None:
+    """Tensors forward made from data (`torch.tensor(1.0)`, transformers' masks and empty
+    caches) are the graph's constants, held as the trace's fake tensors: each is replaced by
+    the real value the fake one carries (the translator reads it from the node's `val`).
+    Tensors forward read from attributes are constants as they are
+    (`trace_context.real_constants_allowed`); one that requires grad is refused in grad mode:
+    eager would give it a gradient, and a constant has none."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if isinstance(value, FakeTensor):
+            if value.constant is None:
+                raise refuse(cls, f"a constant tensor of {tuple(value.shape)} made in forward")
+            value = value.constant
+            setattr(gm, node.target, value)
+        elif isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+            raise UnsupportedModelError(
+                cls,
+                f"forward reads a tensor of {tuple(value.shape)} that requires grad and is "
+                "neither an input nor a parameter: a graph would hold it as a constant, "
+                "without its gradient",
+                "It runs in PyTorch; make it an nn.Parameter or pass it as an argument",
+            )
+        if isinstance(value, torch.Tensor):
+            node.meta["val"] = value  # what the exporter's translator reads
+
+
+_RESHAPES = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
+
+
+def sums_without_kept_dims(gm: torch.fx.GraphModule) -> None:
+    """`sum(x, dims, keepdim=True)` read only by a view dropping those dims (a bias's
+    gradient, as the partitioner writes it) becomes `sum(x, dims)`: one ReduceSum without
+    the Reshape behind it, the same numbers. Runs after `linking.link`: outputs keep their
+    places."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.sum.dim_IntList:
+            continue
+        if len(node.args) < 3 or node.args[2] is not True or len(node.users) != 1:
+            continue
+        (view,) = node.users
+        value, viewed = node.meta.get("val"), view.meta.get("val")
+        if view.target not in _RESHAPES or view.args[0] is not node:
+            continue
+        if not isinstance(value, torch.Tensor) or not isinstance(viewed, torch.Tensor):
+            continue
+        rank = value.dim()
+        dims = {d % rank for d in node.args[1]} if node.args[1] else set(range(rank))
+        kept = [size for k, size in enumerate(value.shape) if k not in dims]
+        if len(kept) != viewed.dim() or not all(
+            statically_known_true(a == b) for a, b in zip(kept, viewed.shape, strict=True)
+        ):
+            continue
+        with gm.graph.inserting_after(node):
+            summed = gm.graph.call_function(
+                _aten.sum.dim_IntList, (node.args[0], node.args[1], False), dict(node.kwargs)
+            )
+        summed.meta = dict(view.meta)
+        view.replace_all_uses_with(summed)
+        gm.graph.erase_node(view)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+#: operators taking a list of index tensors, which ONNX (GatherND, ScatterND) reads as int64
+_INDEXING = frozenset(
+    {
+        _aten.index.Tensor,
+        _aten._unsafe_index.Tensor,
+        _aten.index_put.default,
+        _aten._unsafe_index_put.default,
+    }
+)
+
+
+def int64_indices(gm: torch.fx.GraphModule) -> None:
+    """Index tensors of type int32 (torch's own `unfold_backward` decomposition indexes
+    with an int32 `arange`; eager takes either type) become int64: ONNX's GatherND and
+    ScatterND take int64 indices alone, and ONNX Runtime refused the graph ("Type
+    'tensor(int32)' of input parameter ... of operator (ScatterND)")."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _INDEXING:
+            continue
+        indices = list(node.args[1])
+        for k, index in enumerate(indices):
+            value = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.int32:
+                continue
+            with gm.graph.inserting_before(node):
+                wide = gm.graph.call_function(
+                    _aten._to_copy.default, (index,), {"dtype": torch.int64}
+                )
+            wide.meta = dict(index.meta)
+            wide.meta["val"] = value.to(torch.int64)
+            indices[k] = wide
+            changed = True
+        node.args = (node.args[0], indices, *node.args[2:])
+    if changed:
+        gm.recompile()

@@ -462,3 +462,88 @@ def test_leaky_relu_gradient_equals_eager_at_every_rank(
         expected.backward(cotangent)
         torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(model.scale.grad, eager.scale.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- uniform draws and RReLU ---------------------------------------------------------------------
+class Uniform(nn.Module):
+    """`Tensor.uniform_` on a fresh tensor: noise that scales the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale * torch.empty_like(x).uniform_(0.5, 1.5)
+
+
+class RandomizedLeaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.act = nn.RReLU(0.1, 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x * self.scale)
+
+
+RANKED = [(7,), (40, 6), (4, 6, 5), (2, 3, 4, 5)]
+
+
+def _nonzero(size: tuple[int, ...]) -> torch.Tensor:
+    x = torch.randn(size)
+    return torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x)
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("shape", RANKED, ids=str)
+def test_uniform_draws_in_range_and_the_backward_uses_the_forwards_draw(
+    shape: tuple[int, ...], symbolic: bool
+) -> None:
+    """`uniform_` runs in ORT (torch's decomposition ends in `prims.uniform`, which nothing
+    translates): each call draws anew in [0.5, 1.5), and the input's gradient is the very
+    draw the output used."""
+    sizes = [shape, tuple(s + 1 for s in shape), tuple(s + 2 for s in shape)]
+    engine = ModuleEngine(Uniform(), PLAIN)
+    draws = []
+    for step, size in enumerate(sizes if symbolic else [shape] * 3):
+        x = _nonzero(size).requires_grad_(True)
+        y = engine(x)
+        assert ran_in_plain_ort(y), f"call {step} ({size}) ran elsewhere"
+        noise = (y / x).detach()
+        assert noise.min() >= 0.5 - 1e-6 and noise.max() < 1.5 + 1e-6
+        y.backward(torch.ones_like(y))
+        torch.testing.assert_close(x.grad, noise, rtol=1e-5, atol=1e-6)
+        draws.append(noise)
+    assert not torch.equal(draws[0].flatten()[:5], draws[1].flatten()[:5]), "no new draw"
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("shape", RANKED, ids=str)
+def test_rrelu_draws_slopes_for_negative_inputs_in_training_and_equals_eager_in_eval(
+    shape: tuple[int, ...], symbolic: bool
+) -> None:
+    """Training: inputs above zero pass, each other one is scaled by its own slope in
+    [0.1, 0.3), and the gradient is that slope; eval: eager's numbers exactly."""
+    sizes = [shape, tuple(s + 1 for s in shape), tuple(s + 2 for s in shape)]
+    model, eager = RandomizedLeaky(), RandomizedLeaky()
+    engine = ModuleEngine(model, PLAIN)
+    for step, size in enumerate(sizes if symbolic else [shape] * 3):
+        x = _nonzero(size).requires_grad_(True)
+        y = engine(x)
+        assert ran_in_plain_ort(y), f"call {step} ({size}) ran elsewhere"
+        slope = (y / x).detach()
+        positive = x.detach() > 0
+        assert torch.equal(slope[positive], torch.ones_like(slope[positive]))
+        drawn = slope[~positive]
+        assert drawn.min() >= 0.1 - 1e-6 and drawn.max() < 0.3 + 1e-6
+        y.backward(torch.ones_like(y))
+        torch.testing.assert_close(x.grad, slope, rtol=1e-5, atol=1e-6)
+    model.eval()
+    eager.eval()
+    for size in sizes if symbolic else [shape] * 2:
+        x = _nonzero(size)
+        with torch.no_grad():
+            y = engine(x)
+        torch.testing.assert_close(y, eager(x), rtol=0, atol=0)
+    # the engine never falls back (it raises): an inference graph was built and ran
+    assert [r.has_backward for r in engine.records].count(False) >= 1

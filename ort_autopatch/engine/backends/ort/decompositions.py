@@ -33,6 +33,9 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   check (which then compared a random mask with eager's and refused every such graph), and
   drawing another mask where a graph is run again with the forward's seed. Ours is the mask
   of an ONNX `Dropout` over ones, drawn per run from the tool's stream like `nn.Dropout`'s.
+- `uniform` (`Tensor.uniform_`) and `rrelu_with_noise_functional` (`nn.RReLU` in training):
+  torch's decompositions end in `prims.uniform`, which nothing translates; ours draw with
+  `rand_like` (ONNX `RandomUniformLike`, seeded per session as a user's `rand_like` is).
 - `adaptive_avg_pool2d` (`BEFORE_AUTOGRAD`): ATen's composite kernel, for an output of 1x1
   over a channels-last input, re-strides the mean it computes in place (`as_strided_`, a
   change of strides alone: every size-1 layout is both contiguous and channels-last), and
@@ -319,6 +322,42 @@ def bernoulli_p(
         return torch.zeros_like(input)
     _, kept = aten.native_dropout(torch.ones_like(input), 1 - p, True)
     return kept.to(input.dtype)
+
+
+def uniform(
+    input: torch.Tensor,
+    low: float = 0.0,
+    high: float = 1.0,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`Tensor.uniform_`: torch's own decomposition ends in `prims.uniform`, which nothing
+    translates; a uniform draw in [0, 1) scaled to [low, high) is ONNX's `RandomUniformLike`
+    (seeded as every graph's random operators are, `random_ops`)."""
+    if generator is not None:
+        return NotImplemented
+    return torch.rand_like(input) * (high - low) + low
+
+
+def rrelu_with_noise_functional(
+    input: torch.Tensor,
+    noise: torch.Tensor,
+    lower: float = 0.125,
+    upper: float = 1.0 / 3.0,
+    training: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RReLU as ATen computes it: in training, each input at or below zero is multiplied by
+    its own slope drawn uniformly from [lower, upper) and the slopes (1 elsewhere) are the
+    noise the backward multiplies by; in eval, a leaky ReLU with the mean slope (the noise
+    left as it was)."""
+    if generator is not None:
+        return NotImplemented
+    if not training:
+        return aten.leaky_relu(input, (lower + upper) / 2), noise
+    slopes = torch.rand_like(input) * (upper - lower) + lower
+    drawn = torch.where(input <= 0, slopes, torch.ones_like(input))
+    return input * drawn, drawn
 
 
 def _attention_scores(
@@ -697,6 +736,8 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
     aten.bernoulli.p: bernoulli_p,
+    aten.uniform.default: uniform,
+    aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
     aten._scaled_dot_product_flash_attention_for_cpu.default: (
         scaled_dot_product_flash_attention_for_cpu
     ),

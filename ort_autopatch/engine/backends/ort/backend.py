@@ -339,7 +339,7 @@ class OrtBackend(Backend):
 
 
 #: shared engine modules whose code shapes this backend's graphs, besides its own package
-_SHARED_SOURCES = ("tracing", "sizes", "calls")
+_SHARED_SOURCES = ("tracing", "sizes", "calls", "passes")
 
 
 @functools.cache

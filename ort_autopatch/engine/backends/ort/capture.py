@@ -39,6 +39,7 @@ from ort_autopatch.engine.backends.ort import (
     trace_context,
 )
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
+from ort_autopatch.engine.passes import apply as apply_passes
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def capture(
                     stack, flat, tuple(tensors), decompositions=decompositions
                 )
             gm = joint.graph_module
-            passes.apply(passes.JOINT, passes.JointGraph(gm, decisions.any))
+            apply_passes(passes.JOINT, passes.JointGraph(gm, decisions.any))
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             output = next(n for n in gm.graph.nodes if n.op == "output")
             out_descs = list(output.meta["desc"])
@@ -290,7 +291,7 @@ def capture(
         bases=bases,
         regenerated=regenerated,
     )
-    passes.apply(
+    apply_passes(
         passes.PARTITIONED,
         passes.PartitionedGraphs(cls, captured, tangents, num_forward, symbolic),
     )

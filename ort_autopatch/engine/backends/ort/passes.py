@@ -5,7 +5,8 @@ when each applies. `JOINT` runs on the joint forward + backward graph before the
 splits it; `PARTITIONED` on the forward and backward graphs it made, once their inputs and
 outputs are read into a `Captured`. Each entry names a function of the module that holds
 it (the rewrites are `fx_passes`, each tested on its own graphs) and says when it applies;
-`capture` runs each stage through `apply`, and nothing else in this package rewrites a
+`capture` runs each stage through `engine.passes.apply` (the entry type, `Pass`, is the
+training build's too), and nothing else in this package rewrites a
 captured graph. (`lowered` makes a graph's outputs what ONNX can carry, and `lowering` runs
 the exporter's type promotion: both are steps of the translation to ONNX, which may run in
 another process, `offload`, not passes over the captured graph; their docstrings say so.)
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from ort_autopatch.engine.backends.ort import aliasing, draws, fx_passes, linking, symbolic
+from ort_autopatch.engine.passes import Pass
 
 if TYPE_CHECKING:
     from ort_autopatch.engine.backends.ort.capture import Captured
@@ -54,16 +56,6 @@ class PartitionedGraphs:
         """Forward, then backward where there is one."""
         backward = self.captured.backward
         return [self.captured.forward] + ([] if backward is None else [backward])
-
-
-G = TypeVar("G", JointGraph, PartitionedGraphs)
-
-
-@dataclass(frozen=True)
-class Pass(Generic[G]):
-    name: str
-    run: Callable[[G], object]
-    applies: Callable[[G], bool] = lambda g: True
 
 
 def _each(rewrite: Callable[[torch.fx.GraphModule], object]) -> Callable[[PartitionedGraphs], None]:
@@ -116,11 +108,3 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     Pass("int64_indices", _each(fx_passes.int64_indices)),
     Pass("expand_numel", _each(symbolic.expand_numel), lambda g: g.symbolic),
 )
-
-
-def apply(stage: tuple[Pass[G], ...], g: G) -> G:
-    """Run `stage`'s passes that apply to `g`, in order, in place."""
-    for step in stage:
-        if step.applies(g):
-            step.run(g)
-    return g

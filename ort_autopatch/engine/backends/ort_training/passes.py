@@ -17,13 +17,13 @@ import functools
 import hashlib
 import inspect
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
 import onnx
 
+from ort_autopatch.engine import passes as declared
 from ort_autopatch.engine.backends.ort_training import graph
+from ort_autopatch.engine.passes import Pass, apply
 
 
 @dataclass
@@ -45,16 +45,6 @@ class GradientPassState:
     model: onnx.ModelProto
     extra_outputs: list[str]  # forward values handed out beside the user outputs
     num_forward_outputs: int
-
-
-G = TypeVar("G", ForwardPassState, GradientPassState)
-
-
-@dataclass(frozen=True)
-class Pass(Generic[G]):
-    name: str
-    run: Callable[[G], object]
-    applies: Callable[[G], bool] = lambda g: True
 
 
 def _name_outputs(g: ForwardPassState) -> None:
@@ -104,29 +94,23 @@ def apply_forward(
     model: onnx.ModelProto, has_backward: bool, padding: dict[str, int]
 ) -> ForwardPassState:
     """Run the forward passes on an exported graph, in place."""
-    return _apply(FORWARD, ForwardPassState(model, has_backward, padding))
+    return apply(FORWARD, ForwardPassState(model, has_backward, padding))
 
 
 def apply_gradient(
     model: onnx.ModelProto, extra_outputs: list[str], num_forward_outputs: int
 ) -> GradientPassState:
     """Run the gradient passes on a gradient graph, in place."""
-    return _apply(GRADIENT, GradientPassState(model, extra_outputs, num_forward_outputs))
-
-
-def _apply(stage: tuple[Pass[G], ...], g: G) -> G:
-    for step in stage:
-        if step.applies(g):
-            step.run(g)
-    return g
+    return apply(GRADIENT, GradientPassState(model, extra_outputs, num_forward_outputs))
 
 
 @functools.cache
 def version() -> str:
     """What the passes make, for persistent cache keys (`persist.static_key`): the stages'
-    pass names in order and the source of the passes (this module and `graph.py`)."""
+    pass names in order and the source of the passes (this module, `graph.py` and the shared
+    `engine.passes`)."""
     names = [f"forward:{p.name}" for p in FORWARD] + [f"gradient:{p.name}" for p in GRADIENT]
     digest = hashlib.sha256("\n".join(names).encode())
-    for module in (graph, sys.modules[__name__]):
+    for module in (graph, sys.modules[__name__], declared):
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()[:16]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -92,3 +93,81 @@ def test_a_cut_graph_with_dropout_is_refused_rather_than_drawn_out_of_order() ->
     engine = ModuleEngine(DrawsBesideTrigamma(), PLAIN)
     with pytest.raises(ExportError, match="random ones ONNX Runtime seeds"):
         engine(torch.randn(4, 6, requires_grad=True))
+
+
+@torch.library.custom_op("ort_autopatch_tests::soft_clip", mutates_args=())
+def soft_clip(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """A library operator of the user's: no exporter knows it."""
+    return limit * torch.tanh(x / limit)
+
+
+@soft_clip.register_fake
+def _soft_clip_fake(x: torch.Tensor, limit: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _soft_clip_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+    ctx.limit = inputs[1]
+
+
+def _soft_clip_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    (x,) = ctx.saved_tensors
+    return grad * (1 - torch.tanh(x / ctx.limit) ** 2), None
+
+
+soft_clip.register_autograd(_soft_clip_backward, setup_context=_soft_clip_setup)
+
+
+class SoftClipBetweenLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.last = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(soft_clip(self.first(x), 2.0))
+
+
+def test_a_library_operator_runs_in_torch_and_its_gradient_in_ort() -> None:
+    """forward calls the user's operator in torch; its registered backward traces to ATen,
+    which ORT runs: backward is one graph."""
+    torch.manual_seed(0)
+    model = SoftClipBetweenLayers()
+    twin = copy.deepcopy(model)
+    engine = ModuleEngine(model, PLAIN)
+    for batch in (3, 5, 7):  # the second shape builds a graph with symbolic sizes
+        x = torch.randn(batch, 4)
+        out, expected = engine(x), twin(x)
+        assert ran_in_plain_ort(out)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        model.zero_grad()
+        twin.zero_grad()
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert [r.torch_nodes for r in engine.records] == [{"ort_autopatch_tests::soft_clip": 1}] * 2
+
+
+@torch.library.custom_op("ort_autopatch_tests::scale_in_place", mutates_args=("x",))
+def scale_in_place(x: torch.Tensor) -> None:
+    x.mul_(2)
+
+
+@scale_in_place.register_fake
+def _scale_in_place_fake(x: torch.Tensor) -> None:
+    return None
+
+
+class ScalesInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.5
+        scale_in_place(y)
+        return y.sum(dim=1)
+
+
+def test_a_library_operator_writing_into_its_argument_is_refused() -> None:
+    engine = ModuleEngine(ScalesInPlace(), PLAIN)
+    with pytest.raises(ExportError, match=r"auto_functionalized.* is no ATen or library operator"):
+        engine(torch.randn(3, 4, requires_grad=True))

@@ -407,12 +407,22 @@ def test_a_call_without_gradients_runs_forward_alone_and_updates_batchnorm() -> 
     torch.testing.assert_close(model[1].running_var, eager[1].running_var)
 
 
-def test_an_operator_without_onnx_form_is_an_export_error_naming_it() -> None:
-    from ort_autopatch.engine.errors import ExportError
-
+def test_an_operator_without_onnx_form_runs_in_torch_between_ort_segments() -> None:
+    """MaxPool3d's gradient has no translation in torchlib: backward is cut at it (forward is
+    one graph still), and the gradients are eager's."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Conv3d(1, 2, 2), nn.MaxPool3d(2))
-    with pytest.raises(ExportError, match="max_pool3d_with_indices_backward"):
-        PlainCall(model, torch.randn(1, 1, 5, 5, 5))
+    twin = copy.deepcopy(model)
+    x = torch.randn(1, 1, 5, 5, 5)
+    plain = PlainCall(model, x)
+    assert plain.program.torch_nodes == {"aten::max_pool3d_with_indices_backward": 1}
+    assert set(plain.lowered.splits) == {"backward"}
+    out, expected = plain(x), twin(x)
+    torch.testing.assert_close(out, expected)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 def _first_call(plain: PlainCall, *inputs: torch.Tensor) -> object:

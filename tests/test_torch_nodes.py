@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(
         plain_backend(),
         reason="torch-calling nodes (PythonOp, ATen) live in the training build's graphs; the "
-        "plain backend has none: an operator without an ONNX form runs its class in PyTorch",
+        "plain backend cuts its graphs at such operators instead (tests/test_plain_torch_nodes.py)",
     ),
 ]
 

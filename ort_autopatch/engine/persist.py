@@ -224,7 +224,8 @@ def save_onnx(
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', cls)}-{mode}-{key[:12]}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{stem}.onnx").write_bytes(forward)
+        if forward:  # none for a graph cut at torch nodes: its segments are among the others
+            (folder / f"{stem}.onnx").write_bytes(forward)
         for role, model in others.items():
             (folder / f"{stem}.{role}.onnx").write_bytes(model)
     except OSError as exc:

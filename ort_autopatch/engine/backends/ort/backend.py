@@ -170,9 +170,12 @@ class OrtBackend(Backend):
         if amp.lowers_on_cpu(miss.autocast):
             import onnx
 
-            refusal = amp.cpu_refusal(onnx.load_from_string(lowered.forward), miss.autocast)
-            if refusal is not None:  # ORT would round otherwise than autocast: a known limit
-                raise AutocastUnsupportedError(cls, refusal, amp.REMEDY)
+            cut = lowered.splits.get("forward")
+            models = [s.model for s in cut.segments] if cut is not None else [lowered.forward]
+            for model in models:
+                refusal = amp.cpu_refusal(onnx.load_from_string(model), miss.autocast)
+                if refusal is not None:  # ORT would round otherwise than autocast: a known limit
+                    raise AutocastUnsupportedError(cls, refusal, amp.REMEDY)
         names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
         sources: dict[str, tuple[str, Any]] = {}
         first_names = _first_names(miss)
@@ -202,6 +205,8 @@ class OrtBackend(Backend):
             redraws=_redraws(lowered),
             traced_shapes=call.shapes(),
             size_guards=guards,
+            # nodes run in torch between ORT segments: named in the report, never stored
+            torch_nodes=lowered.torch_nodes,
         )
         return recipe, time.perf_counter() - start
 

@@ -12,15 +12,17 @@ the map from the graph's outputs to the ONNX ones that the `Captured`'s indices 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ort_autopatch.engine import rng
-from ort_autopatch.engine.backends.ort import lowering
+from ort_autopatch.engine.backends.ort import lowering, torch_nodes
 from ort_autopatch.engine.backends.ort.aliasing import Replay
 from ort_autopatch.engine.backends.ort.capture import Captured, Feed
+from ort_autopatch.engine.backends.ort.torch_nodes import Segment, Split
+from ort_autopatch.engine.errors import ExportError
 
 
 def _outputs_for_onnx(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
@@ -83,6 +85,18 @@ class Lowered:
     facts: dict[str, GraphFacts]
     #: forward's random operators, read when it was lowered (None: a stored graph's, unread)
     random_operators: list[str] | None = None
+    #: the graphs ("forward", "backward") cut at operators ONNX cannot express (`torch_nodes`):
+    #: their bytes above are empty, their segments are here. Never stored (`torch_nodes`)
+    splits: dict[str, Split] = field(default_factory=dict)
+
+    @property
+    def torch_nodes(self) -> dict[str, int]:
+        """Nodes run in torch between ORT segments, by operator (the report's `torch_nodes`)."""
+        counts: dict[str, int] = {}
+        for cut in self.splits.values():
+            for name, count in cut.torch_nodes.items():
+                counts[name] = counts.get(name, 0) + count
+        return counts
 
     @property
     def slots(self) -> list[int]:
@@ -93,6 +107,9 @@ class Lowered:
         found = {"forward": self.forward}
         if self.backward is not None:
             found["backward"] = self.backward
+        for role, cut in self.splits.items():  # a cut graph: its segments
+            del found[role]
+            found.update(cut.graphs(role))
         return found
 
     def meta(self) -> dict[str, Any]:
@@ -153,6 +170,7 @@ class Graphs:
     backward_outputs: list[tuple[str, int]]
     facts: dict[str, GraphFacts]
     random_operators: list[str]  # forward's (`verify.random_ops`)
+    splits: dict[str, Split] = field(default_factory=dict)  # see `Lowered.splits`
 
 
 def lower_graphs(
@@ -160,32 +178,88 @@ def lower_graphs(
     backward: torch.fx.GraphModule | None,
     cls: str,
     promoted: bool = False,
+    cut: bool = True,
 ) -> Graphs:
     """Both graphs to ONNX (their outputs rewritten to what ONNX can carry); `promoted`:
-    their types were promoted already (`lowering.promote_types`)."""
+    their types were promoted already (`lowering.promote_types`). `cut`: a graph with
+    operators ONNX cannot express is cut at them (`torch_nodes`), else refused."""
     import onnx
 
     from ort_autopatch.engine import verify
 
-    forward_outputs = _outputs_for_onnx(forward)
-    forward_model = lowering.to_onnx(forward, cls, "forward", promoted)
-    backward_model = None
-    backward_outputs: list[tuple[str, int]] = []
-    if backward is not None:
-        backward_outputs = _outputs_for_onnx(backward)
-        backward_model = lowering.to_onnx(backward, cls, "backward", promoted)
+    splits: dict[str, Split] = {}
+    facts: dict[str, GraphFacts] = {}
+    models: dict[str, bytes] = {}
+    plans: dict[str, list[tuple[str, int]]] = {}
+    random: list[str] = []
+    for role, gm in (("forward", forward), ("backward", backward)):
+        if gm is None:
+            continue
+        plans[role] = _outputs_for_onnx(gm)
+        missing = lowering.missing_targets(gm) if cut else set()
+        if missing:  # cut at them, each run in torch (`torch_nodes`)
+            if not (promoted or gm.meta.get(lowering.PROMOTED)):
+                lowering.promote_types(gm)  # whole: a segment's inputs have no producer
+            splits[role] = _cut(gm, missing, cls, role)
+            models[role] = b""
+            facts[role] = GraphFacts(splits[role].inputs, False)
+            if role == "forward":
+                segments = splits[role].segments
+                random = sorted({op for s in segments for op in s.random_operators})
+            continue
+        models[role] = lowering.to_onnx(gm, cls, role, promoted)
+        facts[role] = GraphFacts.of(models[role])
+        if role == "forward":
+            random = verify.random_ops(onnx.load_from_string(models[role]))
     return Graphs(
-        forward=forward_model,
-        backward=backward_model,
-        forward_outputs=forward_outputs,
-        backward_outputs=backward_outputs,
-        facts={
-            role: GraphFacts.of(model)
-            for role, model in (("forward", forward_model), ("backward", backward_model))
-            if model is not None
-        },
-        random_operators=verify.random_ops(onnx.load_from_string(forward_model)),
+        forward=models["forward"],
+        backward=models.get("backward"),
+        forward_outputs=plans["forward"],
+        backward_outputs=plans.get("backward", []),
+        facts=facts,
+        random_operators=random,
+        splits=splits,
     )
+
+
+def _cut(gm: torch.fx.GraphModule, missing: set[Any], cls: str, what: str) -> Split:
+    """`gm` (promoted, its outputs as ONNX carries them) cut at its torch nodes
+    (`torch_nodes.cut`), every other stretch lowered to ONNX; refused when a stretch draws
+    from ORT's generator (seeded per session run, which would draw out of eager's order)."""
+    import onnx
+
+    from ort_autopatch.engine import verify
+
+    top, modules, counts = torch_nodes.cut(gm, missing, cls, what)
+    segments: list[Segment] = []
+    for node in top.graph.nodes:
+        if node.op != "call_module" or node.target in modules:
+            continue
+        sub = getattr(top, str(node.target))
+        output = next(n for n in sub.graph.nodes if n.op == "output")
+        single = not isinstance(output.args[0], tuple | list)
+        if single:
+            output.args = ((output.args[0],),)
+            sub.recompile()
+        outputs = _outputs_for_onnx(sub)
+        held = [n.name for n in sub.graph.nodes if n.op == "placeholder"]
+        # promoted: the caller promoted the whole graph (`lowering.promote_types`)
+        model = lowering.to_onnx(sub, cls, f"{what} (segment {len(segments)})", True)
+        facts = GraphFacts.of(model)
+        if facts.draws:
+            raise ExportError(
+                cls,
+                f"the {what} graph has operators ONNX cannot express "
+                f"({', '.join(sorted(counts))}) beside random ones ONNX Runtime seeds per "
+                "session run, which cutting the graph would draw out of eager's order",
+                torch_nodes.REMEDY,
+            )
+        proto = onnx.load_from_string(model)
+        segments.append(
+            Segment(str(node.target), model, held, outputs, single, verify.random_ops(proto))
+        )
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return Split(top.graph, modules, segments, inputs, counts)
 
 
 def lower(captured: Captured, cls: str, graphs: Graphs | None = None) -> Lowered:
@@ -211,4 +285,5 @@ def lower(captured: Captured, cls: str, graphs: Graphs | None = None) -> Lowered
         viewed_outputs=captured.viewed_outputs,
         facts=graphs.facts,
         random_operators=graphs.random_operators,
+        splits=graphs.splits,
     )

@@ -227,11 +227,16 @@ def _targets(gm: torch.fx.GraphModule) -> set[Any]:
     return {node.target for node in gm.graph.nodes if node.op == "call_function"}
 
 
-def missing_operators(gm: torch.fx.GraphModule) -> list[str]:
-    """Operators of the graph the exporter has no translation for."""
+def missing_targets(gm: torch.fx.GraphModule) -> set[Any]:
+    """The graph's call targets the exporter has no translation for."""
     targets = _targets(gm)
     found = registry_for(targets)
-    return sorted({str(target) for target in targets if not found.is_registered(target)})
+    return {target for target in targets if not found.is_registered(target)}
+
+
+def missing_operators(gm: torch.fx.GraphModule) -> list[str]:
+    """Operators of the graph the exporter has no translation for."""
+    return sorted(str(target) for target in missing_targets(gm))
 
 
 @contextlib.contextmanager

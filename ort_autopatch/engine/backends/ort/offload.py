@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ort_autopatch.engine import calls, sandbox
+from ort_autopatch.engine.errors import ExportError
 
 if TYPE_CHECKING:
     from ort_autopatch.engine.backends.ort.lowered import Graphs
@@ -365,7 +366,11 @@ def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
             return
         graphs = [None if g is None else decode(g, fake=False) for g in (forward, backward)]
         assert graphs[0] is not None
-        send(lowered.lower_graphs(graphs[0], graphs[1], cls, promoted=True))
+        try:
+            answer = lowered.lower_graphs(graphs[0], graphs[1], cls, promoted=True, cut=False)
+        except ExportError:  # lowered (or cut at torch nodes: `torch_nodes`) by the parent
+            answer = None
+        send(answer)
         del graphs
         gc.collect()  # kept for later builds: this one's garbage goes while the parent runs
 
@@ -579,7 +584,7 @@ class Lowerer:
             self._child.send(request)
             if meanwhile is not None:
                 meanwhile()
-            answer: Graphs = self._receive()
+            answer: Graphs | None = self._receive()  # None: lower here
             return answer
         except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
             log.debug("%s: lowered in this process: the child failed (%s)", cls, exc)

@@ -28,6 +28,7 @@ import torch
 from ort_autopatch.engine import dlpack, graph_function, rng, session
 from ort_autopatch.engine.backend import RunHooks
 from ort_autopatch.engine.backends.ort.lowered import GraphFacts, Lowered
+from ort_autopatch.engine.backends.ort.torch_nodes import Split
 from ort_autopatch.engine.errors import ExecutionError
 
 
@@ -84,11 +85,19 @@ def _session_for(
     cls: str,
     device: torch.device,
     settings: session.SessionSettings,
+    role: str = "",
+    cut: Split | None = None,
 ) -> _Session:
+    """`cut`: the graph cut at its torch nodes (`Lowered.splits`), run segment by segment."""
     if not any(kind == "onnx" for kind, _ in outputs):
         # Every output is an input passed through, made on the torch side, or None (a model
         # returning its input): no operator is left to run, and no session is made
         return _Session(None, [], outputs, False)
+    if cut is not None:
+        split = _SplitRunnable(cut, cls, role, device, settings)
+        inputs = {name: k for k, name in enumerate(facts.inputs)}
+        feeds = [inputs[name] for name in split.feed_names]
+        return _Session(split, feeds, outputs, False)  # type: ignore[arg-type]
     stream = session.compute_stream(device)
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
@@ -103,6 +112,45 @@ def _session_for(
         outputs=outputs,
         draws=facts.draws,
     )
+
+
+class _SegmentRun(torch.nn.Module):
+    """One ONNX segment of a cut graph, called by the top-level graph as its submodule was."""
+
+    def __init__(self, run: _Session, cls: str, phase: str, single: bool) -> None:
+        super().__init__()
+        self.run, self.cls, self.phase, self.single = run, cls, phase, single
+
+    def forward(self, *values: torch.Tensor) -> Any:
+        got = self.run.run(self.cls, self.phase, values, None)
+        return got[0] if self.single else tuple(got)
+
+
+class _SplitRunnable:
+    """A cut graph (`torch_nodes.Split`) run as one session is (`session.RunnableSession`'s
+    `feed_names` and `run`): its segments' sessions, the torch nodes between them."""
+
+    def __init__(
+        self,
+        cut: Split,
+        cls: str,
+        phase: str,
+        device: torch.device,
+        settings: session.SessionSettings,
+    ) -> None:
+        self.feed_names = cut.inputs
+        modules: dict[str, Any] = dict(cut.modules)
+        for k, segment in enumerate(cut.segments):
+            facts = GraphFacts(segment.inputs, False)
+            run = _session_for(
+                segment.model, facts, segment.outputs, cls, device, settings, f"{phase}.{k}"
+            )
+            modules[segment.name] = _SegmentRun(run, cls, phase, segment.single)
+        self.module = torch.fx.GraphModule(modules, cut.graph)
+
+    def run(self, feeds: Sequence[torch.Tensor], kept: Any = None) -> list[torch.Tensor]:
+        """The graph's outputs (`kept` is for whole-graph sessions: segments keep none)."""
+        return list(self.module(*feeds))
 
 
 @dataclass
@@ -290,13 +338,28 @@ def instantiate(
     cls = hooks.module_class
     dlpack.use_inference_dlpack()
     facts = lowered.facts
+    cuts = lowered.splits
     forward = _session_for(
-        lowered.forward, facts["forward"], lowered.forward_outputs, cls, device, settings
+        lowered.forward,
+        facts["forward"],
+        lowered.forward_outputs,
+        cls,
+        device,
+        settings,
+        "forward",
+        cuts.get("forward"),
     )
     backward = None
     if lowered.backward is not None:
         backward = _session_for(
-            lowered.backward, facts["backward"], lowered.backward_outputs, cls, device, settings
+            lowered.backward,
+            facts["backward"],
+            lowered.backward_outputs,
+            cls,
+            device,
+            settings,
+            "backward",
+            cuts.get("backward"),
         )
     written = set(lowered.mutations.values()) | set(lowered.input_mutations.values())
     saved_feeds = {k for kind, k in lowered.backward_inputs if kind == "feed"}
@@ -336,6 +399,7 @@ def instantiate(
             for slot in range(first_write, len(lowered.slots))
             if slot not in tangents
         ),
+        torch_nodes=lowered.torch_nodes,
     )
 
 

@@ -89,10 +89,6 @@ TORCH_DECOMPOSED = (
 KEPT = (aten.lift.default, aten.lift_fresh.default)
 
 
-class UndecomposableError(NotImplementedError):
-    """An operator call this table has no faithful decomposition for (names the operator)."""
-
-
 def _spatial(values: Sequence[int], dims: int) -> list[int]:
     return list(values) * dims if len(values) == 1 else list(values)
 
@@ -219,7 +215,7 @@ def avg_pool2d_backward(
     stride = _spatial(stride, 2) if stride else kernel
     padding = _spatial(padding, 2)
     if ceil_mode:
-        raise UndecomposableError("aten.avg_pool2d_backward with ceil_mode=True")
+        return NotImplemented  # ATen's own kernel: a torch node of the backward graph
     batched = input.dim() == 4
     x = input if batched else input.unsqueeze(0)
     g = grad_output if batched else grad_output.unsqueeze(0)

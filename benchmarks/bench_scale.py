@@ -34,6 +34,10 @@ high-water mark (/proc/self/clear_refs) and takes two more steps. `step_peak_rss
 peak RSS of those steps (the training step's memory), `process_peak_rss_mb` that of the whole
 process (the first call's export included).
 
+`--profile bert` adds a fresh process per model named, in which every session the tool builds
+runs ONNX Runtime's profiler over four steps (the first call's included): kernel time per
+operator type, ms per step, under the tool's `ort_profile`, to set the backends side by side.
+
 Achieved GFLOP/s is a step's arithmetic over its median time: 6 x parameters x tokens for the
 transformers (forward 2, backward 4 multiply-add halves per parameter and token), and for
 ResNet 3 x the forward's FLOPs, counted by torch.utils.flop_counter on one image (8.18 GFLOP,
@@ -88,6 +92,8 @@ LOSS_TOLERANCE = 5e-5
 MATMUL_N = 2048
 #: the relative nudge of eager's parameters that measures its own spread (one rounding step)
 NUDGE = 2e-7
+#: steps of a profiled child (`--profile`), the first call's included
+PROFILED_STEPS = 4
 
 Batch = dict[str, torch.Tensor]
 
@@ -298,8 +304,13 @@ def _process_peak_mb() -> float:
 
 
 # --- child: one variant in a fresh interpreter ---------------------------------------------------
-def child(name: str, variant: str, batch: int, tiny: bool, backend: str) -> dict[str, Any]:
-    """First call, then the peak RSS of two more steps, of one variant in this fresh process."""
+def child(
+    name: str, variant: str, batch: int, tiny: bool, backend: str, profile: bool = False
+) -> dict[str, Any]:
+    """First call, then the peak RSS of two more steps, of one variant in this fresh process;
+    with `profile`, ONNX Runtime's per-node profile of the tool's steps instead."""
+    if profile:
+        return _profiled_child(name, batch, tiny, backend)
     spec = MODELS[name]
     torch.manual_seed(0)
     model = spec.build(tiny).train()
@@ -329,11 +340,70 @@ def child(name: str, variant: str, batch: int, tiny: bool, backend: str) -> dict
     }
 
 
+def _profiled_child(name: str, batch: int, tiny: bool, backend: str) -> dict[str, Any]:
+    """Where the tool's step time goes in ONNX Runtime: every session the tool builds profiles
+    its nodes (ORT's `enable_profiling`, set through the engine's session options, which no
+    public option reaches), over PROFILED_STEPS steps, the first call's included; kernel time
+    per operator type, ms per step, summed over the step's sessions (forward and backward)."""
+    import dataclasses
+
+    from ort_autopatch.engine import session
+
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    model = spec.build(tiny).train()
+    batches = _batches(spec, model, batch, PROFILED_STEPS, tiny)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    newly = _patch(type(model), backend)
+    call = _variant_call("tool", model)
+    original = session._session_options
+    with tempfile.TemporaryDirectory(prefix="bench_scale-profile-") as folder:
+
+        def profiled(settings: Any, training: bool) -> Any:
+            prefix = os.path.join(folder, "ort")
+            return original(dataclasses.replace(settings, profile_prefix=prefix), training)
+
+        session._session_options = profiled
+        try:
+            start = time.perf_counter()
+            for b in batches:
+                _step(call, opt, b, spec)
+            wall = time.perf_counter() - start
+            paths = session.end_profiles()
+        finally:
+            session._session_options = original
+            if newly:
+                from ort_autopatch import patcher
+
+                patcher.unpatch(type(model))
+        per_op: dict[str, float] = {}
+        for path in paths:
+            for event in json.loads(Path(path).read_text()):
+                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                    op = event["args"]["op_name"]
+                    per_op[op] = per_op.get(op, 0.0) + event["dur"] / 1e3 / PROFILED_STEPS
+    ordered = sorted(per_op.items(), key=lambda kv: -kv[1])
+    return {
+        "steps": PROFILED_STEPS,
+        "sessions": len(paths),
+        "step_wall_ms": wall / PROFILED_STEPS * 1e3,
+        "kernels_ms": sum(per_op.values()),
+        "ops_ms": dict(ordered[:25]),
+    }
+
+
 def run_child(
-    name: str, variant: str, batch: int, threads: int, tiny: bool, backend: str
+    name: str,
+    variant: str,
+    batch: int,
+    threads: int,
+    tiny: bool,
+    backend: str,
+    profile: bool = False,
 ) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, variant]
     cmd += ["--batch", str(batch), "--backend", backend, *(["--tiny"] if tiny else [])]
+    cmd += ["--profile", name] if profile else []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as cache:
@@ -501,13 +571,20 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(VARIANTS),
         help="variants measured in fresh processes (first call, peak RSS); '' for none",
     )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="models whose tool steps ONNX Runtime also profiles, in a fresh process of their "
+        "own (per operator type, ms per step)",
+    )
     parser.add_argument("--output", type=Path, help="default results/scale_<backend>.json")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.child:
         name, variant = args.child
-        result = child(name, variant, int(args.batch), args.tiny, args.backend)
+        profile = bool(args.profile)
+        result = child(name, variant, int(args.batch), args.tiny, args.backend, profile)
         print(json.dumps(result))
         return 0
 
@@ -569,6 +646,10 @@ def main(argv: list[str] | None = None) -> int:
                 for v in fresh:
                     run["variants"][v]["fresh_process"] = run_child(
                         name, v, batch, threads, args.tiny, args.backend
+                    )
+                if name in args.profile.split(",") and "tool" in variants:
+                    run["variants"]["tool"]["ort_profile"] = run_child(
+                        name, "tool", batch, threads, args.tiny, args.backend, profile=True
                     )
                 run.update(batch=batch, threads=threads)
                 entry["runs"][key] = run

@@ -102,3 +102,16 @@ def test_render_states_a_skipped_model() -> None:
     block = render_scale.table(results, results)
     assert "| ResNet-50, 224x224 | skipped: torchvision is not installed |" in block
     assert "skipped: resnet50 (torchvision is not installed)" in block
+
+
+def test_profile_splits_the_tool_step_by_operator(mlp: str) -> None:
+    from ort_autopatch import patcher
+    from ort_autopatch.engine import session
+
+    original = session._session_options
+    profile = bench_scale._profiled_child(mlp, 4, False, "auto")
+    assert profile["sessions"] >= 1
+    assert profile["kernels_ms"] > 0
+    # the two layers' products are ONNX matrix products, whatever fusions ORT applied
+    assert {"Gemm", "MatMul", "FusedMatMul"} & set(profile["ops_ms"]), profile["ops_ms"]
+    assert session._session_options is original and not patcher.is_patched(_Net)

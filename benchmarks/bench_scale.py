@@ -34,6 +34,9 @@ high-water mark (/proc/self/clear_refs) and takes two more steps. `step_peak_rss
 peak RSS of those steps (the training step's memory), `process_peak_rss_mb` that of the whole
 process (the first call's export included).
 
+`--models zoo:NAME` (e.g. `zoo:llama,zoo:unet`) runs an entry of the model zoo
+(tests/zoo/models.py) the same way, at the zoo's size and with its first batch.
+
 `--profile bert` adds a fresh process per model named, in which every session the tool builds
 runs ONNX Runtime's profiler over four steps (the first call's included): kernel time per
 operator type, ms per step, under the tool's `ort_profile`, to set the backends side by side.
@@ -213,6 +216,39 @@ MODELS: dict[str, Spec] = {
 }
 
 
+def _zoo() -> dict[str, Any]:
+    """The zoo's entries (tests/zoo/models.py), by name."""
+    from tests.zoo.models import BY_NAME
+
+    return BY_NAME
+
+
+def _spec(name: str) -> Spec:
+    """A model of MODELS, or `zoo:NAME`: the zoo's entry at the zoo's size and first batch
+    (its batch size is the zoo's; `--batch` does not change it), its FLOPs 3 x the forward's
+    as torch counts them."""
+    if not name.startswith("zoo:"):
+        return MODELS[name]
+    entry = _zoo()[name.removeprefix("zoo:")]
+    return Spec(
+        "torch",
+        lambda tiny: f"zoo's {entry.name} (the zoo's size and batch)",
+        lambda tiny: entry.build(),
+        lambda batch, tiny, gen, model: entry.batch(0, gen),
+        entry.loss,
+        _counted_forward_flops,
+    )
+
+
+def _counted_forward_flops(model: nn.Module, batch: Batch, tiny: bool) -> tuple[float, str]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        _call(copy.deepcopy(model).eval(), batch)
+    forward = float(counter.get_total_flops())
+    return 3.0 * forward, f"3 x {forward / 1e9:.3f} GFLOP forward"
+
+
 def _call(model: nn.Module, batch: Batch) -> Any:
     """The model called as PyTorch calls it: nn.Module.__call__ itself, which the tool's patch
     of the class's own __call__ does not reach (eager and compile share the patched class)."""
@@ -311,7 +347,7 @@ def child(
     with `profile`, ONNX Runtime's per-node profile of the tool's steps instead."""
     if profile:
         return _profiled_child(name, batch, tiny, backend)
-    spec = MODELS[name]
+    spec = _spec(name)
     torch.manual_seed(0)
     model = spec.build(tiny).train()
     batches = _batches(spec, model, batch, 3, tiny)
@@ -349,7 +385,7 @@ def _profiled_child(name: str, batch: int, tiny: bool, backend: str) -> dict[str
 
     from ort_autopatch.engine import session
 
-    spec = MODELS[name]
+    spec = _spec(name)
     torch.manual_seed(0)
     model = spec.build(tiny).train()
     batches = _batches(spec, model, batch, PROFILED_STEPS, tiny)
@@ -440,7 +476,7 @@ def interleaved(
     per variant its median step, in-process first call and every loss."""
     from ort_autopatch import patcher, report
 
-    spec = MODELS[name]
+    spec = _spec(name)
     torch.manual_seed(0)
     model = spec.build(tiny).train()
     batches = _batches(spec, model, batch, steps + 1, tiny)
@@ -594,9 +630,12 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         parser.error(f"backend {args.backend} cannot run here: {reason}")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(MODELS))
+    unknown = sorted(n for n in names if n not in MODELS and n.removeprefix("zoo:") not in _zoo())
     if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+        parser.error(
+            f"unknown model(s) {unknown}; choose from {sorted(MODELS)} or zoo:NAME with NAME "
+            f"in {sorted(_zoo())}"
+        )
     variants = tuple(v for v in VARIANTS if not (args.no_compile and v == "compile"))
     fresh = [v for v in args.fresh.split(",") if v.strip() and v in variants]
     batches, thread_counts = _ints(args.batch), _ints(args.threads)
@@ -627,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     problems: list[str] = []
     for name in names:
-        spec = MODELS[name]
+        spec = _spec(name)
         entry: dict[str, Any] = {"description": spec.describe(args.tiny), "runs": {}}
         report["models"][name] = entry
         if importlib.util.find_spec(spec.package) is None:

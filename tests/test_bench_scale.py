@@ -115,3 +115,13 @@ def test_profile_splits_the_tool_step_by_operator(mlp: str) -> None:
     # the two layers' products are ONNX matrix products, whatever fusions ORT applied
     assert {"Gemm", "MatMul", "FusedMatMul"} & set(profile["ops_ms"]), profile["ops_ms"]
     assert session._session_options is original and not patcher.is_patched(_Net)
+
+
+def test_a_zoo_entry_runs_at_the_zoo_size() -> None:
+    pytest.importorskip("transformers")
+    spec = bench_scale._spec("zoo:llama")
+    assert spec.describe(False) == "zoo's llama (the zoo's size and batch)"
+    run = bench_scale.interleaved("zoo:llama", 2, 2, False, "auto", ("eager", "tool"))
+    assert run["variants"]["tool"]["losses_equal_eager"]
+    assert bench_scale._check("zoo:llama", "k", run, 2) == []
+    assert run["flops_per_step"] > 0

@@ -16,14 +16,18 @@
 - `bench`: every benchmark; results in benchmarks/results/*.json. It then runs `bench_plain`.
 - `bench_plain`: the engine benchmark on the plain backend (latest onnxruntime), plain.json;
   README's engine table, both backends side by side.
+- `bench_scale`, `bench_scale_plain`: BERT-base, GPT-2 small and ResNet-50 against eager and
+  torch.compile (torch 2.14), one backend each (`bench` and `bench_plain` run them);
+  scale_<backend>.json and README's table of both.
 - `zoo`: every zoo model against eager; benchmarks/results/zoo.json and README's zoo table.
 - `soak`: every reliability scenario, the 2000-step soak included; README's reliability table.
 
 The plain backend's sessions (`demo`, `tests_plain`, `tests_plain_torch214`, `tests_torch215`,
-`bench_plain`) and `lint` run on the interpreter nox runs on, any CPython 3.10 or newer. The
-training build's sessions (all others) need CPython 3.8-3.11 (onnxruntime-training 1.19.2 has
-no other wheels): they run on a `python3.11` found on PATH, else on nox's own interpreter if it
-is 3.10 or 3.11, and elsewhere they are skipped, saying so there and in nox's closing summary.
+`bench_plain`, `bench_scale_plain`) and `lint` run on the interpreter nox runs on, any CPython
+3.10 or newer. The training build's sessions (all others) need CPython 3.8-3.11
+(onnxruntime-training 1.19.2 has no other wheels): they run on a `python3.11` found on PATH,
+else on nox's own interpreter if it is 3.10 or 3.11, and elsewhere they are skipped, saying so
+there and in nox's closing summary.
 """
 
 from __future__ import annotations
@@ -235,6 +239,7 @@ def lint(session: nox.Session) -> None:
     session.run("python", "tools/readme_options.py", "--check")
     # the README's benchmark tables are those of the committed results
     session.run("python", "benchmarks/render_engine.py", "--check")
+    session.run("python", "benchmarks/render_scale.py", "--check")
     session.run("python", "benchmarks/render_zoo.py", "--check")
 
 
@@ -282,6 +287,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/render_zoo.py")
     session.run("python", "benchmarks/render_report.py")
     session.notify("bench_plain")  # renders README's engine table again, with its numbers
+    session.notify("bench_scale")
 
 
 @nox.session(python=PLAIN_PYTHON)
@@ -295,6 +301,29 @@ def bench_plain(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_cache.py", "--backend", "ort")
     session.run("python", "benchmarks/bench_loops.py", "--backend", "ort")
     session.run("python", "benchmarks/render_engine.py")
+    session.notify("bench_scale_plain")
+
+
+@nox.session(python=TRAINING_PYTHON)
+def bench_scale(session: nox.Session) -> None:
+    """BERT-base, GPT-2 small and ResNet-50 against eager and torch.compile on the training
+    build (`nox -s bench` runs it): torch 2.14, the one torch torchvision's wheel imports
+    with. Options after `--` go to bench_scale.py (`--batch 2,8 --threads 1,2`)."""
+    _install(session, TRANSFORMERS, torch=TORCH_214)
+    _compile_bytecode(session)
+    session.run(
+        "python", "benchmarks/bench_scale.py", "--backend", "ort-training", *session.posargs
+    )
+
+
+@nox.session(python=PLAIN_PYTHON)
+def bench_scale_plain(session: nox.Session) -> None:
+    """The same on the plain backend (`nox -s bench_plain` runs it), then README's table of
+    both backends (`benchmarks/render_scale.py`)."""
+    _install_plain(session, TRANSFORMERS, torch=TORCH_214)
+    _compile_bytecode(session)
+    session.run("python", "benchmarks/bench_scale.py", "--backend", "ort", *session.posargs)
+    session.run("python", "benchmarks/render_scale.py")
 
 
 # The whole zoo, timed with one thread on each side: tiny models measure per-operator overhead,

@@ -323,3 +323,20 @@ def test_the_float64_reference_leaves_parameters_and_buffers_as_they_were() -> N
     assert module.w is weight and module.w.data.data_ptr() == data.data_ptr()
     assert module.w.dtype == torch.float32 and float(module.w.detach()) == 1.0
     assert module.calls.dtype == torch.float32 and float(module.calls) == 0.0
+
+
+def test_a_graph_whose_run_fails_where_eagers_does_not_is_refused() -> None:
+    """A graph computing a size otherwise than eager (a symbolic floor division that
+    truncated) raised in its own run, and was used as if the check could not be made."""
+    module = torch.nn.Linear(3, 2)
+
+    def broken(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0])[:1] + module(tensors[0]).t()  # (1, 2) + (2, 4): raises
+
+    x = torch.randn(4, 3)
+    eager = lambda tensors: module(tensors[0])  # noqa: E731
+    with pytest.raises(verify.VerificationError, match="the graph's run failed where eager"):
+        verify.verify_call("Linear", module, broken, eager, [x], list(module.parameters()), True)
+    # where eager's run fails as well, the comparison cannot be made: eager's error
+    with pytest.raises(RuntimeError):
+        verify.verify_call("Linear", module, broken, broken, [x], list(module.parameters()), True)

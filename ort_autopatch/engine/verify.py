@@ -531,18 +531,34 @@ def verify_call(
     saved = _Saved(module)
     with _hooks_silenced(trainable):
         try:
-            graph = _side(run_graph, inputs, trainable, grad, saved)
+            graph: _Side | None = None
+            try:
+                graph = _side(run_graph, inputs, trainable, grad, saved)
+            except EngineError:
+                raise
+            except Exception as exc:
+                # The graph's run (its backward, say) failed: the graph's fault where eager's
+                # run of the same copies succeeds below (a symbolic-size graph computing a
+                # size otherwise than eager raised here, and was used as if the check could
+                # not be made); where eager's fails too, the comparison cannot be made.
+                saved.restore()
+                failure = f"{type(exc).__name__}: {exc}"
             eager = _side(run_eager, inputs, trainable, grad, saved)
-            result = _compare(graph, eager)
-            if result.mismatch is not None:
-                spreads = _spreads(module, run_eager, inputs, trainable, grad, saved, eager)
-                if spreads is not None:
-                    result = _compare(graph, eager, spreads)
-            if result.mismatch is not None:
-                # the spread may fall short of eager's float32 error: measure that error
-                reference = _float64_side(module, run_eager, inputs, trainable, grad, saved)
-                if reference is not None:
-                    result = _compare(graph, eager, spreads, reference)
+            if graph is None:
+                result = Verification(
+                    mismatch=f"the graph's run failed where eager's did not ({failure})"
+                )
+            else:
+                result = _compare(graph, eager)
+                if result.mismatch is not None:
+                    spreads = _spreads(module, run_eager, inputs, trainable, grad, saved, eager)
+                    if spreads is not None:
+                        result = _compare(graph, eager, spreads)
+                if result.mismatch is not None:
+                    # the spread may fall short of eager's float32 error: measure that error
+                    reference = _float64_side(module, run_eager, inputs, trainable, grad, saved)
+                    if reference is not None:
+                        result = _compare(graph, eager, spreads, reference)
         finally:
             saved.restore()
     if result.mismatch is not None:

@@ -62,6 +62,14 @@ def test_a_second_engine_loads_the_graph_instead_of_exporting(tmp_path: Path) ->
     torch.testing.assert_close(model.fc.weight.grad, grad)
 
 
+#: why the tests of routed gradient nodes skip on the plain backend
+ROUTED_GRADIENTS = (
+    "ReLU's and LayerNorm's gradients run in torch on the training build only (its gradient "
+    "builder's ATen nodes); the plain backend lowers both to ONNX, and calls torch only for "
+    "operators ONNX cannot express (tests/test_plain_torch_nodes.py)"
+)
+
+
 class Wide(nn.Module):
     """Big enough for its ReLU and LayerNorm gradients to run in torch on CPU."""
 
@@ -74,11 +82,7 @@ class Wide(nn.Module):
         return self.norm(torch.relu(self.up(x)))
 
 
-@pytest.mark.skipif(
-    plain_backend(),
-    reason="torch-calling gradient nodes are the training build's (its gradient builder's "
-    "ATen nodes); the plain backend's backward graph is ONNX throughout",
-)
+@pytest.mark.skipif(plain_backend(), reason=ROUTED_GRADIENTS)
 def test_a_graph_whose_gradients_run_in_torch_is_stored_and_loads_with_them(
     tmp_path: Path,
 ) -> None:
@@ -101,11 +105,7 @@ def test_a_graph_whose_gradients_run_in_torch_is_stored_and_loads_with_them(
     torch.testing.assert_close(model.up.weight.grad, grad)
 
 
-@pytest.mark.skipif(
-    plain_backend(),
-    reason="torch-calling gradient nodes are the training build's (its gradient builder's "
-    "ATen nodes); the plain backend's backward graph is ONNX throughout",
-)
+@pytest.mark.skipif(plain_backend(), reason=ROUTED_GRADIENTS)
 def test_saved_graphs_show_the_torch_calling_gradient_nodes(tmp_path: Path) -> None:
     engine = ModuleEngine(Wide(), EngineOptions(save_onnx=tmp_path))
     engine(torch.randn(128, 16)).sum().backward()

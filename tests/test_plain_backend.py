@@ -407,17 +407,26 @@ def test_a_call_without_gradients_runs_forward_alone_and_updates_batchnorm() -> 
     torch.testing.assert_close(model[1].running_var, eager[1].running_var)
 
 
-def test_an_operator_without_onnx_form_runs_in_torch_between_ort_segments() -> None:
-    """MaxPool3d's gradient has no translation in torchlib: backward is cut at it (forward is
-    one graph still), and the gradients are eager's."""
+class SampledConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 2)
+
+    def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        return nn.functional.grid_sample(self.conv(x), grid, align_corners=False)
+
+
+def test_an_operator_without_onnx_form_in_backward_alone_cuts_backward_alone() -> None:
+    """grid_sample's gradient has no translation in torchlib (its forward has): backward is
+    cut at it, forward stays one graph, and the gradients are eager's."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv3d(1, 2, 2), nn.MaxPool3d(2))
+    model = SampledConv()
     twin = copy.deepcopy(model)
-    x = torch.randn(1, 1, 5, 5, 5)
-    plain = PlainCall(model, x)
-    assert plain.program.torch_nodes == {"aten::max_pool3d_with_indices_backward": 1}
+    x, grid = torch.randn(1, 1, 5, 5), torch.rand(1, 3, 3, 2) * 2 - 1
+    plain = PlainCall(model, x, grid)
+    assert plain.program.torch_nodes == {"aten::grid_sampler_2d_backward": 1}
     assert set(plain.lowered.splits) == {"backward"}
-    out, expected = plain(x), twin(x)
+    out, expected = plain(x, grid), twin(x, grid)
     torch.testing.assert_close(out, expected)
     out.pow(2).sum().backward()
     expected.pow(2).sum().backward()

@@ -78,32 +78,61 @@ POOLS = list(
         [(0, 0), (1, 1)],  # padding
         [True, False],  # count_include_pad
         [None, 5],  # divisor_override
+        [False, True],  # ceil_mode: windows hanging off the input
     )
 )
 
 
 @pytest.mark.parametrize("case", POOLS, ids=lambda c: "-".join(map(str, c)))
-def test_avg_pool2d_backward_equals_atens(case: tuple) -> None:
-    kernel, stride, padding, include, divisor = case
+def test_avg_pool2d_and_its_backward_equal_atens(case: tuple) -> None:
+    kernel, stride, padding, include, divisor, ceil = case
     if padding[0] * 2 > min(kernel):
         pytest.skip("torch refuses padding larger than half the kernel")
     torch.manual_seed(0)
     x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
     stride = stride or kernel
-    y = aten.avg_pool2d(x, kernel, stride, padding, False, include, divisor)
+    y = aten.avg_pool2d(x, kernel, stride, padding, ceil, include, divisor)
+    forward = decompositions.avg_pool2d(x, kernel, stride, padding, ceil, include, divisor)
+    if divisor is None:
+        assert forward is NotImplemented  # the exporter's AveragePool
+    else:
+        torch.testing.assert_close(forward, y)
     g = torch.randn_like(y)
-    expected = aten.avg_pool2d_backward(g, x, kernel, stride, padding, False, include, divisor)
-    got = decompositions.avg_pool2d_backward(g, x, kernel, stride, padding, False, include, divisor)
+    expected = aten.avg_pool2d_backward(g, x, kernel, stride, padding, ceil, include, divisor)
+    got = decompositions.avg_pool2d_backward(g, x, kernel, stride, padding, ceil, include, divisor)
     torch.testing.assert_close(got, expected)
 
 
-def test_avg_pool2d_backward_leaves_ceil_mode_to_aten() -> None:
-    """A window past the input's end has no decomposition here: ATen's own kernel stays in
-    the graph (a torch node, tests/test_plain_torch_nodes.py)."""
-    x = torch.randn(1, 1, 5, 5)
-    g = torch.randn(1, 1, 3, 3)
-    got = decompositions.avg_pool2d_backward(g, x, [2, 2], [2, 2], [0, 0], True, True, None)
-    assert got is NotImplemented
+@pytest.mark.parametrize("ceil", [False, True])
+@pytest.mark.parametrize("include", [True, False])
+@pytest.mark.parametrize("divisor", [None, 3])
+@pytest.mark.parametrize("batched", [True, False])
+def test_avg_pool3d_and_its_backward_equal_atens(
+    ceil: bool, include: bool, divisor: int | None, batched: bool
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*([2] if batched else []), 3, 5, 6, 4, dtype=torch.float64)
+    args = ([2, 3, 2], [2, 2, 1], [1, 1, 0], ceil, include, divisor)
+    y = aten.avg_pool3d(x, *args)
+    if divisor is not None:
+        torch.testing.assert_close(decompositions.avg_pool3d(x, *args), y)
+    g = torch.randn_like(y)
+    expected = aten.avg_pool3d_backward(g, x, *args)
+    torch.testing.assert_close(decompositions.avg_pool3d_backward(g, x, *args), expected)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize(
+    "args", [([2, 2, 2], [2, 2, 2], [0, 0, 0]), ([3, 3, 2], [2, 1, 2], [1, 1, 1])]
+)
+def test_max_pool3d_with_indices_backward_equals_atens(batched: bool, args: tuple) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*([2] if batched else []), 3, 5, 6, 4, dtype=torch.float64)
+    y, indices = aten.max_pool3d_with_indices(x, *args, [1, 1, 1], False)
+    g = torch.randn_like(y)
+    call = (g, x, *args, [1, 1, 1], False, indices)
+    expected = aten.max_pool3d_with_indices_backward(*call)
+    torch.testing.assert_close(decompositions.max_pool3d_with_indices_backward(*call), expected)
 
 
 @pytest.mark.parametrize("out", [(1, 1), (2, 3), (4, 6)])

@@ -134,6 +134,22 @@ def test_a_stored_size_guard_that_is_not_size_arithmetic_is_refused() -> None:
         SizeGuards.from_meta(stored)
 
 
+def test_a_size_guard_may_take_the_min_or_max_of_sizes_and_call_nothing_else() -> None:
+    """A diagonal's length is a minimum of sizes (`x.diagonal(1)` of (r, c): min(r, c - 1)),
+    and its trace guards on it: refused, such a graph was traced once per shape."""
+    guard = "min(inputs[0].shape[0], (-1) + inputs[0].shape[1]) != 1"
+    guards = SizeGuards.from_meta({"traced": [[5, 6]], "dynamic": [[0, 1]], "texts": [guard]})
+    assert guards.admits(((4, 9),)) and not guards.admits(((1, 9),))
+    assert not guards.admits(((7, 2),))
+    largest = "max(inputs[0].shape[0], inputs[0].shape[1]) < 8"
+    guards = SizeGuards.from_meta({"traced": [[5, 6]], "dynamic": [[0, 1]], "texts": [largest]})
+    assert guards.admits(((7, 3),)) and not guards.admits(((8, 3),))
+    for text in ["sorted(inputs[0].shape[0], 1) != 1", "min(inputs[0].shape[0], key=1) > 0"]:
+        stored = {"traced": [[5, 6]], "dynamic": [[0]], "texts": [text]}
+        with pytest.raises(ValueError, match="size guard may not"):
+            SizeGuards.from_meta(stored)
+
+
 def test_a_shape_that_keeps_coming_back_earns_a_graph_traced_for_it() -> None:
     options = EngineOptions(backend="ort", threads=1, static_after=3)
     batches = [torch.randn(n, 6) for n in (8, 5, 6, 6, 6, 6, 5)]

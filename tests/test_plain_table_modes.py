@@ -42,6 +42,9 @@ FEATURE_DROPOUT: list[tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[
     (F.dropout3d, (40, 3, 2), (40, 1, 1)),  # 3-D: deprecated, a batch of one added
     (F.dropout3d, (40, 3, 2, 2), (40, 1, 1, 1)),  # unbatched (C, D, H, W)
     (F.dropout3d, (2, 40, 2, 2, 2), (2, 40, 1, 1, 1)),
+    # nn.Dropout (native_dropout and its backward, torch's decomposition): one draw each
+    (F.dropout, (6, 40), (6, 40)),
+    (F.dropout, (3, 40, 2), (3, 40, 2)),
 ]
 P = 0.4
 

@@ -171,37 +171,3 @@ def test_a_library_operator_writing_into_its_argument_is_refused() -> None:
     engine = ModuleEngine(ScalesInPlace(), PLAIN)
     with pytest.raises(ExportError, match=r"auto_functionalized.* is no ATen or library operator"):
         engine(torch.randn(3, 4, requires_grad=True))
-
-
-class CeilPooled(nn.Module):
-    """Average pooling with `ceil_mode`: its backward has no decomposition here (the last
-    windows run past the input), so ATen's kernel runs as a torch node of the backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3).reshape(3, 1, 1))
-        self.pool = nn.AvgPool2d(3, 2, ceil_mode=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(x * self.scale)
-
-
-@pytest.mark.parametrize("shape", [(2, 3, 8, 8), (3, 7, 6)], ids=["batched", "unbatched"])
-def test_a_pools_backward_with_ceil_mode_runs_as_a_torch_node(shape: tuple[int, ...]) -> None:
-    torch.manual_seed(0)
-    model = CeilPooled()
-    twin = copy.deepcopy(model)
-    engine = ModuleEngine(model, PLAIN)
-    for size in (shape, shape[:-2] + (shape[-2] + 1, shape[-1] + 2)):
-        x = torch.randn(size, requires_grad=True)
-        x_twin = x.detach().clone().requires_grad_()
-        model.zero_grad()
-        twin.zero_grad()
-        out, expected = engine(x), twin(x_twin)
-        assert ran_in_plain_ort(out)
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-        out.backward(torch.ones_like(out))
-        expected.backward(torch.ones_like(expected))
-        torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(model.scale.grad, twin.scale.grad, rtol=1e-5, atol=1e-6)
-    assert engine.records[0].torch_nodes == {"aten::avg_pool2d_backward": 1}

@@ -252,3 +252,91 @@ def test_a_wrong_output_is_a_verification_error_and_the_module_is_unchanged() ->
     assert caught.value.verification is not None
     assert "output 0 differs" in (caught.value.verification.mismatch or "")
     assert torch.equal(module.weight, weight)
+
+
+class _Accumulating(torch.nn.Module):
+    """w * (x[0] + x[1] + ... ) - w * x[0], summed one row at a time: float32 rounds every
+    partial sum near x[0] the same way, so eager's result is off by a few percent of the
+    small difference, an error that nudges and per-operator rounding noise (random) move
+    far less than that (eager's spread underestimates it, as on ResNet-50 at batch 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        total = x[0] * self.w
+        for row in x[1:]:
+            total = total + row * self.w
+        return total - x[0] * self.w
+
+
+def _accumulated(factor: float) -> tuple[verify.Verification, _Accumulating]:
+    """The call through a 'graph' that sums in float64 (a runtime that accumulates more
+    exactly than eager), scaled by `factor`."""
+    module = _Accumulating()
+    x = torch.full((400, 3), 0.0013) + torch.linspace(0, 1e-4, 3)
+    x[0] = 2e3
+
+    def eager(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0])
+
+    def graph(tensors: list[torch.Tensor]) -> torch.Tensor:
+        exact = tensors[0].double()[1:].sum(0) * module.w.double()
+        return (exact * factor).float()
+
+    result = verify.verify_call("Acc", module, graph, eager, [x], list(module.parameters()), True)
+    return result, module
+
+
+def test_a_graph_as_near_float64_as_eager_is_accepted_where_eagers_spread_falls_short() -> None:
+    result, _ = _accumulated(1.0)
+    assert result.mismatch is None
+    # the spread alone would have refused it: eager's float32 error is what it measured
+    assert result.spread_rel is not None and result.output_rel > verify.SPREAD * result.spread_rel
+    assert result.float64_rel is not None and result.float64_rel > result.spread_rel
+
+
+def test_a_wrong_graph_is_refused_against_the_float64_reference_too() -> None:
+    with pytest.raises(verify.VerificationError, match="eager's float32 error") as raised:
+        _accumulated(1.5)
+    assert raised.value.verification is not None
+    assert raised.value.verification.float64_rel is not None
+
+
+def test_the_float64_reference_leaves_parameters_and_buffers_as_they_were() -> None:
+    module = _Accumulating()
+    weight, data = module.w, module.w.data
+    with pytest.raises(verify.VerificationError):
+        # the wrong graph makes every comparison run: strict, spread, float64
+        verify.verify_call(
+            "Acc",
+            module,
+            lambda t: module(t[0]) * 1.5,
+            lambda t: module(t[0]),
+            [torch.randn(5, 3)],
+            [module.w],
+            True,
+        )
+    assert module.w is weight and module.w.data.data_ptr() == data.data_ptr()
+    assert module.w.dtype == torch.float32 and float(module.w.detach()) == 1.0
+    assert module.calls.dtype == torch.float32 and float(module.calls) == 0.0
+
+
+def test_a_graph_whose_run_fails_where_eagers_does_not_is_refused() -> None:
+    """A graph computing a size otherwise than eager (a symbolic floor division that
+    truncated) raised in its own run, and was used as if the check could not be made."""
+    module = torch.nn.Linear(3, 2)
+
+    def broken(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return module(tensors[0])[:1] + module(tensors[0]).t()  # (1, 2) + (2, 4): raises
+
+    x = torch.randn(4, 3)
+    eager = lambda tensors: module(tensors[0])  # noqa: E731
+    with pytest.raises(verify.VerificationError, match="the graph's run failed where eager"):
+        verify.verify_call("Linear", module, broken, eager, [x], list(module.parameters()), True)
+    # where eager's run fails as well, the comparison cannot be made: eager's error
+    with pytest.raises(RuntimeError):
+        verify.verify_call("Linear", module, broken, broken, [x], list(module.parameters()), True)

@@ -57,10 +57,13 @@ _OPS = (
     ast.GtE,
 )
 
+#: the functions a guard may call (on integers only: their arguments are walked as the rest)
+_CALLS = {"min": min, "max": max}
+
 
 def check_text(text: str, ranks: tuple[int, ...]) -> None:
-    """Raise ValueError unless `text` is integer arithmetic and comparisons over
-    `inputs[i].shape[d]` of existing inputs and dimensions."""
+    """Raise ValueError unless `text` is integer arithmetic (with `min` and `max`) and
+    comparisons over `inputs[i].shape[d]` of existing inputs and dimensions."""
 
     def size(node: ast.AST) -> bool:
         # inputs[i].shape[d]
@@ -90,6 +93,18 @@ def check_text(text: str, ranks: tuple[int, ...]) -> None:
             if type(node.value) not in (int, bool):
                 raise ValueError(f"{text!r} has a constant that is not an integer")
             return
+        if isinstance(node, ast.Call):
+            # min/max of sizes: a diagonal's length (x.diagonal(1) of (r, c): min(r, c - 1))
+            if not (
+                isinstance(node.func, ast.Name)
+                and node.func.id in _CALLS
+                and len(node.args) >= 2
+                and not node.keywords
+            ):
+                raise ValueError(f"{text!r} calls what a size guard may not")
+            for argument in node.args:
+                walk(argument)
+            return
         if not isinstance(node, _OPS):
             raise ValueError(f"{text!r} has {type(node).__name__}, which a size guard may not")
         for child in ast.iter_child_nodes(node):
@@ -101,7 +116,7 @@ def check_text(text: str, ranks: tuple[int, ...]) -> None:
 def _compile(texts: list[str]) -> Callable[[Shapes], bool]:
     """A predicate over the call's shapes (texts already checked by `check_text`)."""
     body = " and ".join("(" + _SIZE.sub(r"S[\1][\2]", t) + ")" for t in texts) or "True"
-    predicate: Callable[[Shapes], bool] = eval(f"lambda S: {body}", {"__builtins__": {}})
+    predicate: Callable[[Shapes], bool] = eval(f"lambda S: {body}", {"__builtins__": {}, **_CALLS})
     return predicate
 
 

@@ -21,10 +21,22 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   ORT's slow `Where` (ten times a Greater, a Cast and a Mul on a CNN's activations).
 - `select_backward` and `slice_backward`: as pads rather than torch's scatters into zeros,
   which ORT runs as ScatterElements (a quarter of a transformer layer's step).
-- `avg_pool2d_backward` and `_adaptive_avg_pool2d_backward` (the cases an average pool is a
-  convolution with a constant kernel; other adaptive sizes as one matrix product per
-  dimension with the windows' weights): torch has none either. `_adaptive_avg_pool3d` and
-  its backward the same way (torchlib has no 3-d adaptive pool).
+- `avg_pool2d_backward`, `avg_pool3d_backward` (every padding, divisor and ceil mode, as a
+  transposed convolution with a kernel of ones) and `_adaptive_avg_pool2d_backward` (the
+  cases an average pool is a convolution with a constant kernel; other adaptive sizes as one
+  matrix product per dimension with the windows' weights): torch has none either.
+  `_adaptive_avg_pool3d` and its backward the same way (torchlib has no 3-d adaptive pool).
+- `avg_pool2d` and `avg_pool3d` with `divisor_override`: torchlib's translation ignores the
+  override (its results were off by the window's size over the divisor). Each window's sum
+  over the divisor; other average pools keep the exporter's AveragePool.
+- `max_pool3d_with_indices_backward` (neither torch nor torchlib has one): a scatter-add of
+  each window's gradient at its index.
+- Transposed convolutions in these backwards whose `output_padding` depends on symbolic
+  sizes: ONNX takes it as a constant attribute, so they are computed whole, padded and cut
+  (`_transposed`); every convolution's backward had been traced once per input shape.
+- `max_pool1d` (`BEFORE_AUTOGRAD`): ATen's composite pools over the sizes as plain integers
+  for the untracked tensors of a trace, fixing the length; ours is the 2-d pool over a
+  height of one.
 - pooling, normalisation, embedding, dropout and loss backwards: torch's decompositions,
   named so the tests can hold each one to eager.
 - `bernoulli.p` (feature dropout's mask: `dropout1d/2d/3d`, `Dropout2d` on any rank):
@@ -133,9 +145,7 @@ def convolution_backward(
                 )
                 for d in range(dims)
             ]
-            grad_input = aten.convolution(
-                grad_output, weight, None, stride, padding, dilation, True, extra, groups
-            )
+            grad_input = _transposed(grad_output, weight, stride, padding, dilation, groups, extra)
     if output_mask[1]:
         # transposed: the weight's gradient of the adjoint, with the two activations swapped
         source, target = (grad_output, input) if transposed else (input, grad_output)
@@ -143,6 +153,38 @@ def convolution_backward(
     if output_mask[2]:
         grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
     return grad_input, grad_weight, grad_bias
+
+
+def _transposed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    extra: list[Any],
+) -> torch.Tensor:
+    """A transposed convolution whose output has `extra` more trailing positions than its
+    windows reach (a convolution's input positions no window read: their gradient).
+
+    ONNX's ConvTranspose takes that as its `output_padding` attribute, a constant: with
+    symbolic sizes `extra` is an expression of them and the translation failed, so every
+    convolution's backward (and average pool's) was traced once per input shape. Then the
+    full transposed convolution (no padding) is padded by `extra` zeros at the end and the
+    `padding` positions cut from both sides: the same values (the positions past the last
+    window get nothing but zeros), with sizes that stay symbolic."""
+    dims = len(stride)
+    if all(isinstance(e, int) and e >= 0 for e in extra):
+        return aten.convolution(x, weight, None, stride, padding, dilation, True, extra, groups)
+    full = aten.convolution(x, weight, None, stride, [0] * dims, dilation, True, [0] * dims, groups)
+    pads: list[Any] = []
+    for d in reversed(range(dims)):
+        pads += [0, extra[d]]
+    full = aten.constant_pad_nd(full, pads, 0.0)
+    for d in range(dims):
+        if padding[d]:
+            full = aten.slice(full, 2 + d, padding[d], full.shape[2 + d] - padding[d])
+    return full
 
 
 def _weight_gradient(
@@ -199,6 +241,70 @@ def _weight_gradient(
     return grad.reshape(out_channels, channels // groups, *kernel)
 
 
+def _window_sums(
+    x: torch.Tensor, kernel: list[int], stride: list[int], left: list[int], out: Sequence[Any]
+) -> torch.Tensor:
+    """Each window's sum of x (shape (B, 1, *spatial)): `left` zeros before each spatial dim,
+    as many after as the `out` windows reach (fewer, cut, where they stop short), one
+    convolution with a kernel of ones. Zeros count nothing, so windows hanging off the input
+    (ceil mode) sum what they cover, as ATen's."""
+    dims = len(kernel)
+    pads: list[Any] = []
+    for d in reversed(range(dims)):
+        size = x.shape[2 + d]
+        pads += [left[d], (out[d] - 1) * stride[d] + kernel[d] - size - left[d]]
+    padded = aten.constant_pad_nd(x, pads, 0.0)
+    box = torch.ones((1, 1, *kernel), dtype=x.dtype, device=x.device)
+    return aten.convolution(padded, box, None, stride, [0] * dims, [1] * dims, False, [0] * dims, 1)
+
+
+def _avg_pool_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+    dims: int,
+) -> torch.Tensor:
+    """Each output's gradient spread evenly over its window, for 1 to 3 spatial dims, batched
+    or not: a transposed convolution with a kernel of ones, after dividing by each window's
+    divisor. The divisor is ATen's: the override, else the window's size, clipped to the
+    padded input where windows hang off it (ceil mode) and to the input itself without
+    `count_include_pad`; such divisors are counted by the same windows over ones."""
+    kernel = _spatial(kernel_size, dims)
+    stride = _spatial(stride, dims) if stride else kernel
+    padding = _spatial(padding, dims)
+    batched = input.dim() == dims + 2
+    x = input if batched else input.unsqueeze(0)
+    g = grad_output if batched else grad_output.unsqueeze(0)
+    n, c = x.shape[0], x.shape[1]
+    sizes, out = list(x.shape[2:]), list(g.shape[2:])
+    if divisor_override:
+        g = g / divisor_override
+    elif not ceil_mode and (count_include_pad or not any(padding)):
+        g = g / math.prod(kernel)
+    else:
+        if count_include_pad:
+            region = [s + 2 * p for s, p in zip(sizes, padding, strict=True)]
+            left = [0] * dims
+        else:
+            region, left = sizes, padding
+        ones = torch.ones((1, 1, *region), dtype=x.dtype, device=x.device)
+        g = g / _window_sums(ones, kernel, stride, left, out)
+    box = torch.ones((1, 1, *kernel), dtype=g.dtype, device=g.device)
+    extra = [
+        size - ((o - 1) * s - 2 * p + k)
+        for size, o, s, p, k in zip(sizes, out, stride, padding, kernel, strict=True)
+    ]
+    flat = g.reshape(n * c, 1, *out)
+    result = _transposed(flat, box, stride, padding, [1] * dims, 1, extra)
+    result = result.reshape(n, c, *sizes)
+    return result if batched else result.squeeze(0)
+
+
 def avg_pool2d_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -209,36 +315,128 @@ def avg_pool2d_backward(
     count_include_pad: bool,
     divisor_override: int | None,
 ) -> torch.Tensor:
-    """Each output's gradient spread evenly over its window: a transposed convolution with a
-    constant kernel, after dividing by each window's divisor."""
-    kernel = _spatial(kernel_size, 2)
-    stride = _spatial(stride, 2) if stride else kernel
-    padding = _spatial(padding, 2)
-    if ceil_mode:
-        return NotImplemented  # ATen's own kernel: a torch node of the backward graph
-    batched = input.dim() == 4
+    """`aten.avg_pool2d_backward` (torch has no decomposition): `_avg_pool_backward`."""
+    return _avg_pool_backward(
+        grad_output,
+        input,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        2,
+    )
+
+
+def avg_pool3d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """`aten.avg_pool3d_backward` (neither torch nor torchlib has one): `_avg_pool_backward`."""
+    return _avg_pool_backward(
+        grad_output,
+        input,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        3,
+    )
+
+
+def _pooled_size(size: Any, kernel: int, stride: int, padding: int, ceil_mode: bool) -> Any:
+    """ATen's pooled length: windows from -padding in steps of `stride`; in ceil mode one
+    more where it would start inside the input or its left padding."""
+    span = size + 2 * padding - kernel
+    # the ceiling without negative operands: with symbolic sizes the division becomes ONNX's
+    # integer Div, which truncates (-(-3 // 2) came out 1, not 2)
+    out = ((span + stride - 1) // stride if ceil_mode else span // stride) + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+def _avg_pool_divided(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    divisor_override: int | None,
+    dims: int,
+) -> Any:
+    """An average pool with `divisor_override`: each window's sum over the override.
+    torchlib's translation ignores the override (it divides by the window's size:
+    `AvgPool2d(2, divisor_override=3)` came out 4/3 of eager's, caught only by the first-call
+    check). Without an override the exporter's AveragePool stays."""
+    if not divisor_override:
+        return NotImplemented
+    kernel = _spatial(kernel_size, dims)
+    stride = _spatial(stride, dims) if stride else kernel
+    padding = _spatial(padding, dims)
+    batched = input.dim() == dims + 2
     x = input if batched else input.unsqueeze(0)
-    g = grad_output if batched else grad_output.unsqueeze(0)
-    n, c, h, w = x.shape
-    if divisor_override:
-        g = g / divisor_override
-    elif count_include_pad or not any(padding):
-        g = g / (kernel[0] * kernel[1])
-    else:
-        ones = torch.ones((1, 1, h, w), dtype=x.dtype, device=x.device)
-        box = torch.ones((1, 1, *kernel), dtype=x.dtype, device=x.device)
-        counts = aten.convolution(ones, box, None, stride, padding, [1, 1], False, [0, 0], 1)
-        g = g / counts
-    box = torch.ones((1, 1, *kernel), dtype=g.dtype, device=g.device)
-    oh, ow = g.shape[2], g.shape[3]
-    extra = [
-        size - ((out - 1) * s - 2 * p + k)
-        for size, out, s, p, k in zip((h, w), (oh, ow), stride, padding, kernel, strict=True)
+    n, c, sizes = x.shape[0], x.shape[1], list(x.shape[2:])
+    out = [
+        _pooled_size(size, k, s, p, ceil_mode)
+        for size, k, s, p in zip(sizes, kernel, stride, padding, strict=True)
     ]
-    flat = g.reshape(n * c, 1, oh, ow)
-    result = aten.convolution(flat, box, None, stride, padding, [1, 1], True, extra, 1)
-    result = result.reshape(n, c, h, w)
+    sums = _window_sums(x.reshape(n * c, 1, *sizes), kernel, stride, padding, out)
+    result = (sums / divisor_override).reshape(n, c, *out)
     return result if batched else result.squeeze(0)
+
+
+def avg_pool2d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Any:
+    return _avg_pool_divided(input, kernel_size, stride, padding, ceil_mode, divisor_override, 2)
+
+
+def avg_pool3d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Any:
+    return _avg_pool_divided(input, kernel_size, stride, padding, ceil_mode, divisor_override, 3)
+
+
+def max_pool3d_with_indices_backward(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """Each window's gradient added at its maximum, by the forward's indices (flat over the
+    three spatial dims, per batch and channel, as ATen's): a scatter-add. Neither torch nor
+    torchlib has this backward; windows may overlap, so positions sum what they receive."""
+    lead = x.dim() - 3
+    flat_grad = grad_output.flatten(lead)
+    flat_index = indices.flatten(lead)
+    zeros = grad_output.new_zeros((*x.shape[:lead], x.shape[-3] * x.shape[-2] * x.shape[-1]))
+    return zeros.scatter_add(lead, flat_index, flat_grad).reshape(x.shape)
 
 
 def _adaptive_weights(
@@ -301,6 +499,30 @@ def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torc
     if all(size == 1 for size in output_size):
         return input.mean([-1, -2], keepdim=True)
     return aten._adaptive_avg_pool2d(input, output_size)
+
+
+def max_pool1d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    dilation: Sequence[int] = (1,),
+    ceil_mode: bool = False,
+) -> torch.Tensor:
+    """ATen's composite `max_pool1d` as the 2-d pool over a height of one, which it is. Its
+    kernel, for a tensor autograd does not track (as a trace's are), pools in C++ over the
+    sizes as plain integers: a trace with symbolic sizes fixed the length to the traced one,
+    and every length got a graph of its own."""
+    stride = list(stride) or list(kernel_size)
+    result, _ = aten.max_pool2d_with_indices(
+        input.unsqueeze(-2),
+        [1, kernel_size[0]],
+        [1, stride[0]],
+        [0, padding[0]],
+        [1, dilation[0]],
+        ceil_mode,
+    )
+    return result.squeeze(-2)
 
 
 def bernoulli_p(
@@ -728,6 +950,10 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
+    aten.avg_pool3d_backward.default: avg_pool3d_backward,
+    aten.avg_pool2d.default: avg_pool2d,
+    aten.avg_pool3d.default: avg_pool3d,
+    aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
     aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
@@ -749,6 +975,7 @@ OURS: dict[Any, Callable[..., Any]] = {
 #: the ATen kernel's place while aot traces (`trace_context.composites_replaced`).
 BEFORE_AUTOGRAD: dict[Any, Callable[..., Any]] = {
     aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
+    aten.max_pool1d.default: max_pool1d,
 }
 for _function in BEFORE_AUTOGRAD.values():
     _function.before_autograd = True  # type: ignore[attr-defined]

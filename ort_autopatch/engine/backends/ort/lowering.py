@@ -25,6 +25,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import operator
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -167,6 +168,20 @@ def read_implemented() -> frozenset[Any]:
     return frozenset(found)
 
 
+def _floordiv(self: Any, other: Any) -> Any:
+    """Python's floor division of sizes (`operator.floordiv` on symbolic ints): a - (a mod b)
+    is a multiple of b, so dividing it is exact, and ONNX's Mod (fmod=0) takes the divisor's
+    sign as Python's %. torchlib's translation is ONNX's integer Div, which truncates toward
+    zero: right for sizes that stay positive, but `-(-n // 2)` (a ceiling) came out one short
+    for odd n, and the graph returned tensors of the wrong size."""
+    from onnxscript import opset18 as op
+
+    return op.Div(op.Sub(self, op.Mod(self, other)), other)
+
+
+#: translations of ours for the exporter's own operators, preferred to torchlib's (custom)
+OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
+
 _lock = threading.Lock()
 _registry: list[Any] = []  # the one partial registry of this process
 _registered: set[Any] = set()  # the targets it has been given (with or without functions)
@@ -190,7 +205,7 @@ def registry_for(targets: Iterable[Any]) -> Any:
         for target in set(targets) - _registered:
             _registered.add(target)
             metas = [meta for meta in own if meta.fx_target == target]
-            ours = recurrent.TRANSLATIONS.get(target)
+            ours = recurrent.TRANSLATIONS.get(target) or OWN.get(target)
             if ours is not None:  # a Python function adding its nodes: no signature
                 metas.append(
                     _registration.OnnxDecompMeta(

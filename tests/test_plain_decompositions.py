@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ort_autopatch.engine.backends.ort import decompositions
+from ort_autopatch.engine.backends.ort import decompositions, windows
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def test_convolution_backward_equals_atens(case: tuple) -> None:
     g = torch.randn_like(y)
     mask = [True, True, True]
     expected = aten.convolution_backward(g, x, w, [w.shape[1 if transposed else 0]], *args, mask)
-    got = decompositions.convolution_backward(g, x, w, None, *args, mask)
+    got = windows.convolution_backward(g, x, w, None, *args, mask)
     for name, a, e in zip(("input", "weight", "bias"), got, expected, strict=True):
         assert a is not None
         assert a.shape == e.shape, name
@@ -67,7 +67,7 @@ def test_convolution_backward_computes_only_the_masked_gradients() -> None:
     x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
     g = torch.randn(1, 3, 3, 3)
     args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
-    got = decompositions.convolution_backward(g, x, w, None, *args, [False, True, False])
+    got = windows.convolution_backward(g, x, w, None, *args, [False, True, False])
     assert got[0] is None and got[2] is None and got[1] is not None
 
 
@@ -92,14 +92,14 @@ def test_avg_pool2d_and_its_backward_equal_atens(case: tuple) -> None:
     x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
     stride = stride or kernel
     y = aten.avg_pool2d(x, kernel, stride, padding, ceil, include, divisor)
-    forward = decompositions.avg_pool2d(x, kernel, stride, padding, ceil, include, divisor)
+    forward = windows.avg_pool2d(x, kernel, stride, padding, ceil, include, divisor)
     if divisor is None:
         assert forward is NotImplemented  # the exporter's AveragePool
     else:
         torch.testing.assert_close(forward, y)
     g = torch.randn_like(y)
     expected = aten.avg_pool2d_backward(g, x, kernel, stride, padding, ceil, include, divisor)
-    got = decompositions.avg_pool2d_backward(g, x, kernel, stride, padding, ceil, include, divisor)
+    got = windows.avg_pool2d_backward(g, x, kernel, stride, padding, ceil, include, divisor)
     torch.testing.assert_close(got, expected)
 
 
@@ -115,10 +115,10 @@ def test_avg_pool3d_and_its_backward_equal_atens(
     args = ([2, 3, 2], [2, 2, 1], [1, 1, 0], ceil, include, divisor)
     y = aten.avg_pool3d(x, *args)
     if divisor is not None:
-        torch.testing.assert_close(decompositions.avg_pool3d(x, *args), y)
+        torch.testing.assert_close(windows.avg_pool3d(x, *args), y)
     g = torch.randn_like(y)
     expected = aten.avg_pool3d_backward(g, x, *args)
-    torch.testing.assert_close(decompositions.avg_pool3d_backward(g, x, *args), expected)
+    torch.testing.assert_close(windows.avg_pool3d_backward(g, x, *args), expected)
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -132,7 +132,7 @@ def test_max_pool3d_with_indices_backward_equals_atens(batched: bool, args: tupl
     g = torch.randn_like(y)
     call = (g, x, *args, [1, 1, 1], False, indices)
     expected = aten.max_pool3d_with_indices_backward(*call)
-    torch.testing.assert_close(decompositions.max_pool3d_with_indices_backward(*call), expected)
+    torch.testing.assert_close(windows.max_pool3d_with_indices_backward(*call), expected)
 
 
 @pytest.mark.parametrize("out", [(1, 1), (2, 3), (4, 6)])
@@ -140,7 +140,7 @@ def test_adaptive_avg_pool2d_backward_equals_atens(out: tuple[int, int]) -> None
     x = torch.randn(2, 3, 8, 12, dtype=torch.float64)
     g = torch.randn(2, 3, *out, dtype=torch.float64)
     expected = aten._adaptive_avg_pool2d_backward(g, x)
-    torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
+    torch.testing.assert_close(windows.adaptive_avg_pool2d_backward(g, x), expected)
 
 
 @pytest.mark.parametrize(("size", "out"), [((7, 7), (3, 3)), ((5, 9), (2, 4)), ((3, 4), (5, 6))])
@@ -151,7 +151,7 @@ def test_adaptive_avg_pool2d_backward_over_uneven_windows_equals_atens(
     x = torch.randn(2, 3, *size, dtype=torch.float64)
     g = torch.randn(2, 3, *out, dtype=torch.float64)
     expected = aten._adaptive_avg_pool2d_backward(g, x)
-    torch.testing.assert_close(decompositions.adaptive_avg_pool2d_backward(g, x), expected)
+    torch.testing.assert_close(windows.adaptive_avg_pool2d_backward(g, x), expected)
 
 
 @pytest.mark.parametrize(
@@ -164,10 +164,10 @@ def test_adaptive_avg_pool3d_and_its_backward_equal_atens(
     torch.manual_seed(0)
     x = torch.randn(*((2,) if batched else ()), 3, *size, dtype=torch.float64)
     expected = aten._adaptive_avg_pool3d(x, out)
-    torch.testing.assert_close(decompositions.adaptive_avg_pool3d(x, out), expected)
+    torch.testing.assert_close(windows.adaptive_avg_pool3d(x, out), expected)
     g = torch.randn_like(expected)
     torch.testing.assert_close(
-        decompositions.adaptive_avg_pool3d_backward(g, x),
+        windows.adaptive_avg_pool3d_backward(g, x),
         aten._adaptive_avg_pool3d_backward(g, x),
     )
 
@@ -182,7 +182,7 @@ def test_adaptive_avg_pool2d_equals_atens_with_its_gradient(
     base = torch.randn(2, 3, 8, 12, dtype=torch.float64).contiguous(memory_format=layout)
     x, y = base.clone().requires_grad_(), base.clone().requires_grad_()
     expected = aten.adaptive_avg_pool2d(x, size)
-    got = decompositions.adaptive_avg_pool2d(y, size)
+    got = windows.adaptive_avg_pool2d(y, size)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     g = torch.randn_like(expected)
@@ -311,14 +311,14 @@ def test_tiling_max_pool_and_its_backward_equal_atens(
     x[0, 0, :2, :2] = 1.0  # a tie: the first maximum wins, as in ATen
     x[1, 1] = 0.0  # all ties (a ReLU's zeros)
     out, indices = aten.max_pool2d_with_indices(x, kernel, stride, padding)
-    got_out, got_indices = decompositions.max_pool2d_with_indices(x, kernel, stride, padding)
+    got_out, got_indices = windows.max_pool2d_with_indices(x, kernel, stride, padding)
     torch.testing.assert_close(got_out, out)
     assert torch.equal(got_indices, indices)
     g = torch.randn_like(out)
     expected = aten.max_pool2d_with_indices_backward(
         g, x, kernel, stride, padding, [1, 1], False, indices
     )
-    got = decompositions.max_pool2d_with_indices_backward(
+    got = windows.max_pool2d_with_indices_backward(
         g, x, kernel, stride, padding, [1, 1], False, indices
     )
     torch.testing.assert_close(got, expected)
@@ -331,7 +331,7 @@ def test_tiling_max_pool_backward_treats_signed_zeros_as_ties_like_aten() -> Non
     expected = aten.max_pool2d_with_indices_backward(
         g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
     )
-    got = decompositions.max_pool2d_with_indices_backward(
+    got = windows.max_pool2d_with_indices_backward(
         g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
     )
     assert torch.equal(got, expected)
@@ -339,13 +339,13 @@ def test_tiling_max_pool_backward_treats_signed_zeros_as_ties_like_aten() -> Non
 
 def test_overlapping_max_pool_keeps_atens_operator() -> None:
     x = torch.randn(1, 1, 7, 7)
-    assert decompositions.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1]) is NotImplemented
+    assert windows.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1]) is NotImplemented
     out, indices = aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1])
     g = torch.randn_like(out)
     expected = aten.max_pool2d_with_indices_backward(
         g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, indices
     )
-    got = decompositions.max_pool2d_with_indices_backward(
+    got = windows.max_pool2d_with_indices_backward(
         g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, indices
     )
     torch.testing.assert_close(got, expected)

@@ -1,0 +1,543 @@
+"""Decompositions of the windowed operators for the plain backend's table (`decompositions`):
+convolution's backward and the pools (average, adaptive average, max), at one to three spatial
+dimensions, batched or not, with static or symbolic sizes. Why each is ours and not torch's
+or torchlib's is said in `decompositions`' docstring; the shared tools are a transposed
+convolution whose output padding may be symbolic (`_transposed`) and each window's sum as a
+convolution with a kernel of ones (`_window_sums`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _spatial(values: Sequence[int], dims: int) -> list[int]:
+    return list(values) * dims if len(values) == 1 else list(values)
+
+
+def convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`aten.convolution_backward` as convolutions (ONNX Conv / ConvTranspose) and a sum.
+
+    The input's gradient is the adjoint convolution (a transposed one for a convolution, a
+    plain one for a transposed convolution). The weight's gradient correlates input and
+    output gradient with batch and channel swapped, stride and dilation exchanging roles,
+    one group per convolution group; trailing positions no window reached are cut off.
+    """
+    dims = input.dim() - 2
+    stride, padding, dilation = (_spatial(v, dims) for v in (stride, padding, dilation))
+    kernel = list(weight.shape[2:])
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if transposed:
+            grad_input = aten.convolution(
+                grad_output, weight, None, stride, padding, dilation, False, [0] * dims, groups
+            )
+        else:
+            extra = [
+                input.shape[2 + d]
+                - (
+                    (grad_output.shape[2 + d] - 1) * stride[d]
+                    - 2 * padding[d]
+                    + dilation[d] * (kernel[d] - 1)
+                    + 1
+                )
+                for d in range(dims)
+            ]
+            grad_input = _transposed(grad_output, weight, stride, padding, dilation, groups, extra)
+    if output_mask[1]:
+        # transposed: the weight's gradient of the adjoint, with the two activations swapped
+        source, target = (grad_output, input) if transposed else (input, grad_output)
+        grad_weight = _weight_gradient(source, target, kernel, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def _transposed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    extra: list[Any],
+) -> torch.Tensor:
+    """A transposed convolution whose output has `extra` more trailing positions than its
+    windows reach (a convolution's input positions no window read: their gradient).
+
+    ONNX's ConvTranspose takes that as its `output_padding` attribute, a constant: with
+    symbolic sizes `extra` is an expression of them and the translation failed, so every
+    convolution's backward (and average pool's) was traced once per input shape. Then the
+    full transposed convolution (no padding) is padded by `extra` zeros at the end and the
+    `padding` positions cut from both sides: the same values (the positions past the last
+    window get nothing but zeros), with sizes that stay symbolic."""
+    dims = len(stride)
+    if all(isinstance(e, int) and e >= 0 for e in extra):
+        return aten.convolution(x, weight, None, stride, padding, dilation, True, extra, groups)
+    full = aten.convolution(x, weight, None, stride, [0] * dims, dilation, True, [0] * dims, groups)
+    pads: list[Any] = []
+    for d in reversed(range(dims)):
+        pads += [0, extra[d]]
+    full = aten.constant_pad_nd(full, pads, 0.0)
+    for d in range(dims):
+        if padding[d]:
+            full = aten.slice(full, 2 + d, padding[d], full.shape[2 + d] - padding[d])
+    return full
+
+
+def _weight_gradient(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
+    """d(conv(source, w)) / dw contracted with `target`: shape (target channels,
+    source channels / groups, *kernel).
+
+    As a matrix product with the source's patches (one strided slice of the padded source per
+    kernel position): grad_w[o, i, k] = sum over batch and positions p of target[o, p] *
+    patch_k[i, p]. Written as a convolution whose kernel is the whole target instead, ORT ran
+    it 2 to 5 times slower than this (0.3 to 0.8 ms against 0.12 for a 3x3 convolution's
+    weight on (8, 3, 32, 32)), slower than eager's whole convolution backward.
+    """
+    dims = source.dim() - 2
+    batch, channels = source.shape[0], source.shape[1]
+    out_channels = target.shape[1]
+    outer = list(target.shape[2:])
+    pads: list[int] = []
+    for d in reversed(range(dims)):
+        pads += [padding[d], padding[d]]
+    padded = aten.constant_pad_nd(source, pads, 0.0) if any(padding) else source
+    # slices by leading kernel offsets, each taken once (a 3x3 kernel: 3 + 9 slices, not 18)
+    sliced: dict[tuple[int, ...], torch.Tensor] = {(): padded}
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        for d in range(dims):
+            if offsets[: d + 1] not in sliced:
+                start = offsets[d] * dilation[d]
+                end = start + (outer[d] - 1) * stride[d] + 1
+                sliced[offsets[: d + 1]] = aten.slice(
+                    sliced[offsets[:d]], 2 + d, start, end, stride[d]
+                )
+    patches = [sliced[o] for o in itertools.product(*(range(k) for k in kernel))]
+    positions = math.prod(outer)
+    count = len(patches)
+    # One product per group contracts batch and positions together: (groups, out / groups,
+    # batch * positions) by (groups, batch * positions, in / groups * kernel positions), in
+    # the weight's order. A product per image summed over the batch afterwards made a
+    # (batch, out, in * kernel) intermediate, 32 MB for a DCGAN's 128-to-256 4x4 layer at
+    # batch 16, whose sum was most of the backward graph's time; the two transposes here
+    # copy only the patches and the output gradient. The last transpose ORT folds into the
+    # product.
+    cols = torch.stack(patches, 2).reshape(batch, groups, channels // groups * count, positions)
+    cols = cols.permute(1, 2, 0, 3).reshape(groups, channels // groups * count, batch * positions)
+    rows = target.reshape(batch, groups, out_channels // groups, positions)
+    rows = rows.permute(1, 2, 0, 3).reshape(groups, out_channels // groups, batch * positions)
+    grad = aten.bmm(rows, cols.transpose(1, 2))
+    return grad.reshape(out_channels, channels // groups, *kernel)
+
+
+def _window_sums(
+    x: torch.Tensor, kernel: list[int], stride: list[int], left: list[int], out: Sequence[Any]
+) -> torch.Tensor:
+    """Each window's sum of x (shape (B, 1, *spatial)): `left` zeros before each spatial dim,
+    as many after as the `out` windows reach (fewer, cut, where they stop short), one
+    convolution with a kernel of ones. Zeros count nothing, so windows hanging off the input
+    (ceil mode) sum what they cover, as ATen's."""
+    dims = len(kernel)
+    pads: list[Any] = []
+    for d in reversed(range(dims)):
+        size = x.shape[2 + d]
+        pads += [left[d], (out[d] - 1) * stride[d] + kernel[d] - size - left[d]]
+    padded = aten.constant_pad_nd(x, pads, 0.0)
+    box = torch.ones((1, 1, *kernel), dtype=x.dtype, device=x.device)
+    return aten.convolution(padded, box, None, stride, [0] * dims, [1] * dims, False, [0] * dims, 1)
+
+
+def _avg_pool_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+    dims: int,
+) -> torch.Tensor:
+    """Each output's gradient spread evenly over its window, for 1 to 3 spatial dims, batched
+    or not: a transposed convolution with a kernel of ones, after dividing by each window's
+    divisor. The divisor is ATen's: the override, else the window's size, clipped to the
+    padded input where windows hang off it (ceil mode) and to the input itself without
+    `count_include_pad`; such divisors are counted by the same windows over ones."""
+    kernel = _spatial(kernel_size, dims)
+    stride = _spatial(stride, dims) if stride else kernel
+    padding = _spatial(padding, dims)
+    batched = input.dim() == dims + 2
+    x = input if batched else input.unsqueeze(0)
+    g = grad_output if batched else grad_output.unsqueeze(0)
+    n, c = x.shape[0], x.shape[1]
+    sizes, out = list(x.shape[2:]), list(g.shape[2:])
+    if divisor_override:
+        g = g / divisor_override
+    elif not ceil_mode and (count_include_pad or not any(padding)):
+        g = g / math.prod(kernel)
+    else:
+        if count_include_pad:
+            region = [s + 2 * p for s, p in zip(sizes, padding, strict=True)]
+            left = [0] * dims
+        else:
+            region, left = sizes, padding
+        ones = torch.ones((1, 1, *region), dtype=x.dtype, device=x.device)
+        g = g / _window_sums(ones, kernel, stride, left, out)
+    box = torch.ones((1, 1, *kernel), dtype=g.dtype, device=g.device)
+    extra = [
+        size - ((o - 1) * s - 2 * p + k)
+        for size, o, s, p, k in zip(sizes, out, stride, padding, kernel, strict=True)
+    ]
+    flat = g.reshape(n * c, 1, *out)
+    result = _transposed(flat, box, stride, padding, [1] * dims, 1, extra)
+    result = result.reshape(n, c, *sizes)
+    return result if batched else result.squeeze(0)
+
+
+def avg_pool2d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """`aten.avg_pool2d_backward` (torch has no decomposition): `_avg_pool_backward`."""
+    return _avg_pool_backward(
+        grad_output,
+        input,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        2,
+    )
+
+
+def avg_pool3d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """`aten.avg_pool3d_backward` (neither torch nor torchlib has one): `_avg_pool_backward`."""
+    return _avg_pool_backward(
+        grad_output,
+        input,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        3,
+    )
+
+
+def _pooled_size(size: Any, kernel: int, stride: int, padding: int, ceil_mode: bool) -> Any:
+    """ATen's pooled length: windows from -padding in steps of `stride`; in ceil mode one
+    more where it would start inside the input or its left padding."""
+    span = size + 2 * padding - kernel
+    # the ceiling without negative operands: with symbolic sizes the division becomes ONNX's
+    # integer Div, which truncates (-(-3 // 2) came out 1, not 2)
+    out = ((span + stride - 1) // stride if ceil_mode else span // stride) + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+def _avg_pool_divided(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    divisor_override: int | None,
+    dims: int,
+) -> Any:
+    """An average pool with `divisor_override`: each window's sum over the override.
+    torchlib's translation ignores the override (it divides by the window's size:
+    `AvgPool2d(2, divisor_override=3)` came out 4/3 of eager's, caught only by the first-call
+    check). Without an override the exporter's AveragePool stays."""
+    if not divisor_override:
+        return NotImplemented
+    kernel = _spatial(kernel_size, dims)
+    stride = _spatial(stride, dims) if stride else kernel
+    padding = _spatial(padding, dims)
+    batched = input.dim() == dims + 2
+    x = input if batched else input.unsqueeze(0)
+    n, c, sizes = x.shape[0], x.shape[1], list(x.shape[2:])
+    out = [
+        _pooled_size(size, k, s, p, ceil_mode)
+        for size, k, s, p in zip(sizes, kernel, stride, padding, strict=True)
+    ]
+    sums = _window_sums(x.reshape(n * c, 1, *sizes), kernel, stride, padding, out)
+    result = (sums / divisor_override).reshape(n, c, *out)
+    return result if batched else result.squeeze(0)
+
+
+def avg_pool2d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Any:
+    return _avg_pool_divided(input, kernel_size, stride, padding, ceil_mode, divisor_override, 2)
+
+
+def avg_pool3d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Any:
+    return _avg_pool_divided(input, kernel_size, stride, padding, ceil_mode, divisor_override, 3)
+
+
+def max_pool3d_with_indices_backward(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """Each window's gradient added at its maximum, by the forward's indices (flat over the
+    three spatial dims, per batch and channel, as ATen's): a scatter-add. Neither torch nor
+    torchlib has this backward; windows may overlap, so positions sum what they receive."""
+    lead = x.dim() - 3
+    flat_grad = grad_output.flatten(lead)
+    flat_index = indices.flatten(lead)
+    zeros = grad_output.new_zeros((*x.shape[:lead], x.shape[-3] * x.shape[-2] * x.shape[-1]))
+    return zeros.scatter_add(lead, flat_index, flat_grad).reshape(x.shape)
+
+
+def _adaptive_weights(
+    size_in: Any, size_out: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(size_out, size_in): row i averages ATen's window i of one dimension, from
+    floor(i * in / out) to ceil((i + 1) * in / out), each element weighted by one over the
+    window's length. Built from the sizes by integer arithmetic on tensors, so a graph with
+    symbolic sizes builds it for each call's."""
+    index = torch.arange(size_out, device=device)
+    start = torch.div(index * size_in, size_out, rounding_mode="floor")
+    end = torch.div((index + 1) * size_in + size_out - 1, size_out, rounding_mode="floor")
+    position = torch.arange(size_in, device=device)
+    inside = (position >= start.unsqueeze(1)) & (position < end.unsqueeze(1))
+    return inside.to(dtype) / (end - start).unsqueeze(1).to(dtype)
+
+
+def _adaptive_apply(x: torch.Tensor, sizes: Sequence[Any], transposed: bool) -> torch.Tensor:
+    """Contract each of x's trailing len(sizes) dims with its window weights: a pool to
+    `sizes` (x's sizes are the inputs'), or, `transposed`, its adjoint back to `sizes`."""
+    dims = len(sizes)
+    for d in range(dims):
+        axis = x.dim() - dims + d
+        size_here = x.shape[axis]
+        weights = (
+            _adaptive_weights(sizes[d], size_here, x.dtype, x.device)
+            if transposed
+            else _adaptive_weights(size_here, sizes[d], x.dtype, x.device).transpose(0, 1)
+        )
+        x = torch.matmul(x.movedim(axis, -1), weights).movedim(-1, axis)
+    return x
+
+
+def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """An adaptive average pool whose sizes divide evenly is an average pool; other sizes
+    (windows of unequal lengths, overlapping) spread each output's gradient over its window
+    by one matrix product per dimension."""
+    size_in, size_out = input.shape[-2:], grad_output.shape[-2:]
+    if any(i % o for i, o in zip(size_in, size_out, strict=True)):
+        return _adaptive_apply(grad_output, list(size_in), transposed=True)
+    kernel = [i // o for i, o in zip(size_in, size_out, strict=True)]
+    return avg_pool2d_backward(grad_output, input, kernel, kernel, [0, 0], False, True, None)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """`_adaptive_avg_pool3d` (torchlib has none): one matrix product per dimension."""
+    return _adaptive_apply(input, list(output_size), transposed=False)
+
+
+def adaptive_avg_pool3d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    return _adaptive_apply(grad_output, list(input.shape[-3:]), transposed=True)
+
+
+def adaptive_avg_pool2d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """ATen's composite `adaptive_avg_pool2d` without its re-striding: the mean over the
+    spatial dims for an output of 1x1 (ATen's own computation), `_adaptive_avg_pool2d`
+    otherwise (as ATen's kernel calls it). Only the result's strides differ from ATen's
+    ((c, 1, 1, 1) where ATen gives a channels-last input's result (c, 1, c, c): the same
+    tensor to every view and every operator, since its spatial sizes are 1)."""
+    if all(size == 1 for size in output_size):
+        return input.mean([-1, -2], keepdim=True)
+    return aten._adaptive_avg_pool2d(input, output_size)
+
+
+def max_pool1d(
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    dilation: Sequence[int] = (1,),
+    ceil_mode: bool = False,
+) -> torch.Tensor:
+    """ATen's composite `max_pool1d` as the 2-d pool over a height of one, which it is. Its
+    kernel, for a tensor autograd does not track (as a trace's are), pools in C++ over the
+    sizes as plain integers: a trace with symbolic sizes fixed the length to the traced one,
+    and every length got a graph of its own."""
+    stride = list(stride) or list(kernel_size)
+    result, _ = aten.max_pool2d_with_indices(
+        input.unsqueeze(-2),
+        [1, kernel_size[0]],
+        [1, stride[0]],
+        [0, padding[0]],
+        [1, dilation[0]],
+        ceil_mode,
+    )
+    return result.squeeze(-2)
+
+
+def _tiles(
+    x: torch.Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> list[int] | None:
+    """The kernel, when a 2-d max pool's windows tile the input exactly (stride = kernel, no
+    padding or dilation, sizes divisible: `MaxPool2d(2)`); else None."""
+    k = _spatial(kernel, 2)
+    s = _spatial(stride, 2) if stride else k
+    if s != k or any(_spatial(padding, 2)) or any(d != 1 for d in _spatial(dilation, 2)):
+        return None
+    if x.dim() != 4 or x.shape[2] % k[0] or x.shape[3] % k[1]:
+        return None
+    return k
+
+
+def _slots(x: torch.Tensor, k: list[int]) -> list[torch.Tensor]:
+    """The windows' elements by position, in ATen's scan order (row by row): kh * kw strided
+    slices of (N, C, H / kh, W / kw) each. Elementwise work on these runs at ORT's full speed;
+    a trailing window axis of 4 made every broadcast, reduction and transpose over it 10 to 50
+    times slower per element (1.5 ms of a small CNN's 3.4 ms forward)."""
+    return [x[:, :, i :: k[0], j :: k[1]] for i in range(k[0]) for j in range(k[1])]
+
+
+def _maximum(slots: list[torch.Tensor]) -> torch.Tensor:
+    result = slots[0]
+    for slot in slots[1:]:
+        result = torch.maximum(result, slot)
+    return result
+
+
+def max_pool2d_with_indices(
+    x: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    dilation: Sequence[int] = (1,),
+    ceil_mode: bool = False,
+) -> Any:
+    """Tiling windows as the elementwise maximum of the windows' slots. ORT's MaxPool with
+    its indices output is nine times slower than without (4.5 ms against 0.5 on (8, 16, 32,
+    32)); the indices are only computed where something reads them, and the backward below
+    needs none. Other pools keep the exporter's MaxPool."""
+    k = _tiles(x, kernel_size, stride, padding, dilation)
+    if k is None:
+        return NotImplemented
+    slots = _slots(x, k)
+    result = _maximum(slots)
+    # the first maximum, as ATen's kernel picks: the lowest slot equal to the maximum
+    position = torch.full_like(result, len(slots) - 1, dtype=torch.int64)
+    for j in range(len(slots) - 2, -1, -1):
+        position = torch.where(slots[j] == result, j, position)
+    row = torch.arange(x.shape[2] // k[0], device=x.device).view(-1, 1) * k[0]
+    col = torch.arange(x.shape[3] // k[1], device=x.device).view(1, -1) * k[1]
+    indices = (row + position // k[1]) * x.shape[3] + col + position % k[1]
+    return result, indices
+
+
+def max_pool2d_with_indices_backward(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """For tiling windows, each window's gradient to its first maximum, found again from the
+    input (no indices, no scatter): one masked copy of the gradient per slot, put back in
+    place by a transposed convolution with one-hot kernels (stride = kernel, so each input
+    position receives exactly one slot's value plus zeros: exact). Other pools scatter by
+    the indices (torch's own)."""
+    k = _tiles(x, kernel_size, stride, padding, dilation)
+    if k is None:
+        from torch._decomp import decompositions as torch_decompositions
+
+        result: torch.Tensor = torch_decompositions.max_pool2d_with_indices_backward(
+            grad_output, x, kernel_size, stride, padding, dilation, ceil_mode, indices
+        )
+        return result
+    slots = _slots(x, k)
+    maximum = _maximum(slots)
+    taken = slots[0] == maximum
+    spread = [grad_output * taken.to(grad_output.dtype)]
+    for slot in slots[1:]:
+        first = (slot == maximum) & ~taken
+        spread.append(grad_output * first.to(grad_output.dtype))
+        taken = taken | first
+    n, c, h, w = x.shape
+    count = len(slots)
+    stacked = torch.stack(spread, 2).reshape(n * c, count, h // k[0], w // k[1])
+    one_hot = torch.eye(count, dtype=grad_output.dtype, device=grad_output.device)
+    result = aten.convolution(
+        stacked, one_hot.reshape(count, 1, *k), None, k, [0, 0], [1, 1], True, [0, 0], 1
+    )
+    return result.reshape(n, c, h, w)

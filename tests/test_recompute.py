@@ -108,8 +108,9 @@ def test_nothing_of_the_forward_is_kept_but_its_inputs() -> None:
 
 @pytest.mark.skipif(
     plain_backend(),
-    reason="torch-calling nodes (EngineOptions.torch_ops) are the training build's PythonOp "
-    "and ATen nodes; the plain backend's graphs have none",
+    reason="EngineOptions.torch_ops sends chosen operators to the training build's PythonOp "
+    "and ATen nodes, an option the plain backend does not take; its own torch nodes refuse "
+    "random operators (tests/test_plain_torch_nodes.py)",
 )
 def test_random_torch_calling_nodes_draw_the_same_seeds_when_recomputed() -> None:
     """Dropout routed to a torch-calling node: its seed comes from the tool's generator, and the

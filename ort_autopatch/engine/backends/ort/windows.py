@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -222,54 +222,6 @@ def _avg_pool_backward(
     return result if batched else result.squeeze(0)
 
 
-def avg_pool2d_backward(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    kernel_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: int | None,
-) -> torch.Tensor:
-    """`aten.avg_pool2d_backward` (torch has no decomposition): `_avg_pool_backward`."""
-    return _avg_pool_backward(
-        grad_output,
-        input,
-        kernel_size,
-        stride,
-        padding,
-        ceil_mode,
-        count_include_pad,
-        divisor_override,
-        2,
-    )
-
-
-def avg_pool3d_backward(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    kernel_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: int | None,
-) -> torch.Tensor:
-    """`aten.avg_pool3d_backward` (neither torch nor torchlib has one): `_avg_pool_backward`."""
-    return _avg_pool_backward(
-        grad_output,
-        input,
-        kernel_size,
-        stride,
-        padding,
-        ceil_mode,
-        count_include_pad,
-        divisor_override,
-        3,
-    )
-
-
 def _pooled_size(size: Any, kernel: int, stride: int, padding: int, ceil_mode: bool) -> Any:
     """ATen's pooled length: windows from -padding in steps of `stride`; in ceil mode one
     more where it would start inside the input or its left padding."""
@@ -312,28 +264,53 @@ def _avg_pool_divided(
     return result if batched else result.squeeze(0)
 
 
-def avg_pool2d(
-    input: torch.Tensor,
-    kernel_size: Sequence[int],
-    stride: Sequence[int] = (),
-    padding: Sequence[int] = (0,),
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-) -> Any:
-    return _avg_pool_divided(input, kernel_size, stride, padding, ceil_mode, divisor_override, 2)
+def _average_pools(dims: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The table's entries for `aten.avg_pool{dims}d` (`_avg_pool_divided`) and its backward
+    (`_avg_pool_backward`; torch has no decomposition of either backward, torchlib no 3-d one),
+    with ATen's signatures."""
+
+    def avg_pool(
+        input: torch.Tensor,
+        kernel_size: Sequence[int],
+        stride: Sequence[int] = (),
+        padding: Sequence[int] = (0,),
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+    ) -> Any:
+        return _avg_pool_divided(
+            input, kernel_size, stride, padding, ceil_mode, divisor_override, dims
+        )
+
+    def avg_pool_backward(
+        grad_output: torch.Tensor,
+        input: torch.Tensor,
+        kernel_size: Sequence[int],
+        stride: Sequence[int],
+        padding: Sequence[int],
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: int | None,
+    ) -> torch.Tensor:
+        return _avg_pool_backward(
+            grad_output,
+            input,
+            kernel_size,
+            stride,
+            padding,
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+            dims,
+        )
+
+    for function, name in ((avg_pool, "avg_pool"), (avg_pool_backward, "avg_pool_backward")):
+        function.__name__ = function.__qualname__ = name.replace("pool", f"pool{dims}d")
+    return avg_pool, avg_pool_backward
 
 
-def avg_pool3d(
-    input: torch.Tensor,
-    kernel_size: Sequence[int],
-    stride: Sequence[int] = (),
-    padding: Sequence[int] = (0,),
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-) -> Any:
-    return _avg_pool_divided(input, kernel_size, stride, padding, ceil_mode, divisor_override, 3)
+avg_pool2d, avg_pool2d_backward = _average_pools(2)
+avg_pool3d, avg_pool3d_backward = _average_pools(3)
 
 
 def max_pool3d_with_indices_backward(

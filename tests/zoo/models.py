@@ -91,7 +91,7 @@ def image_batch(step: int, gen: torch.Generator, size: int = 32, classes: int = 
 
 def _hf(name: str, config: str, attn: str = "sdpa", **kwargs: Any) -> Callable[[], nn.Module]:
     """A transformers model from its config class, with SDPA attention where transformers
-    offers it (its default; the eager reference runs it on torch's MATH backend)."""
+    offers it (its default; the eager reference runs it on the kernel torch picks)."""
 
     def build() -> nn.Module:
         import transformers

@@ -180,7 +180,6 @@ def capture(
             contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
             calls.stepping_aside(),
             tracing.export_rewrites(),
-            trace_context.math_attention(),
             trace_context.traceable_batch_norms(module),
             trace_context.relisted_rnn_weights(),
             trace_context.generic_recurrent_kernels(),

@@ -8,6 +8,11 @@ apart from the capture (`capture`) because each changes state the whole process 
 docs/architecture.md, "Process-wide effects"): the capture enters them under
 `calls.EXPORT_LOCK`. `real_constants_allowed` is also entered by the lowering (`lowering`),
 whose type promotion runs a graph on fake tensors.
+
+Attention is left to torch: the trace takes the kernel eager's call takes (chosen from the same
+sizes, dtypes, mask and dropout), on CPU mostly the flash kernel, whose backward
+`decompositions` computes as ATen's does (not the softmax's on fully masked rows); the math
+kernel only where eager's choice is the math kernel too.
 """
 
 from __future__ import annotations
@@ -21,17 +26,6 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import tracing
-
-
-def math_attention() -> contextlib.AbstractContextManager[Any]:
-    """Attention as matmuls and a softmax. Traced with the CPU flash kernel eager picks (whose
-    backward `decompositions` has), OPT's zoo entry got gradients 3.4x off eager's: until that
-    is understood, the math kernel (a graph that differs from eager on fully masked rows is
-    refused by the first-call check, a refusal rather than a wrong number)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.MATH)
-
 
 _capturing = threading.local()
 

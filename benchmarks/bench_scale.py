@@ -40,8 +40,9 @@ process (the first call's export included).
 (tests/zoo/models.py) the same way, at the zoo's size and with its first batch.
 
 `--profile bert` adds a fresh process per model named, in which every session the tool builds
-runs ONNX Runtime's profiler over four steps (the three after the first call counted): kernel time per
-operator type, ms per step, under the tool's `ort_profile`, to set the backends side by side.
+runs ONNX Runtime's profiler over four steps (the three after the first call counted): kernel
+time per operator type, ms per step, under the tool's `ort_profile`, to set the backends side
+by side.
 
 Achieved GFLOP/s is a step's arithmetic over its median time: 6 x parameters x tokens for the
 transformers (forward 2, backward 4 multiply-add halves per parameter and token), and for

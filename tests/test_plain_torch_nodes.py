@@ -171,3 +171,37 @@ def test_a_library_operator_writing_into_its_argument_is_refused() -> None:
     engine = ModuleEngine(ScalesInPlace(), PLAIN)
     with pytest.raises(ExportError, match=r"auto_functionalized.* is no ATen or library operator"):
         engine(torch.randn(3, 4, requires_grad=True))
+
+
+class StrideScaled(nn.Module):
+    """A stride that is a symbolic size once sizes vary: `aten.sym_stride` in the graph traced
+    with symbolic sizes, which torchlib does not translate (T5's attention has one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        columns = self.fc(x).t().contiguous()  # (4, n): its first stride is n
+        return columns * columns.stride(0)
+
+
+def test_a_size_query_is_no_torch_node_the_graphs_follow_each_shape() -> None:
+    """Cut at `sym_stride`, the graph's run failed ("'int' object has no attribute
+    'detach'"): a size is no tensor to hand between sessions. The symbolic trace is refused
+    and each shape gets a graph traced for it, in ORT, with eager's numbers."""
+    torch.manual_seed(0)
+    model = StrideScaled()
+    twin = copy.deepcopy(model)
+    engine = ModuleEngine(model, PLAIN)
+    for rows in (3, 5, 7):
+        x = torch.randn(rows, 4, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        out, expected = engine(x), twin(x_twin)
+        assert ran_in_plain_ort(out), f"{rows} rows ran elsewhere"
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x_twin.grad)
+    assert [r.torch_nodes for r in engine.records] == [{}, {}, {}]
+    assert [r.per_shape for r in engine.records] == [False, True, True]

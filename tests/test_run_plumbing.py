@@ -82,6 +82,8 @@ def test_a_failed_run_is_one_typed_error_naming_the_phase_and_the_remedy() -> No
     assert "ONNX Runtime backward failed" in error.cause
     assert "later training calls run in PyTorch" in error.remedy
     assert session.execution_error("Test", "forward", raised.value).remedy == "Run eagerly"
+    # a segment of a cut graph named its failure already: not wrapped in a second one
+    assert session.execution_error("Test", "forward", error) is error
 
 
 def test_batch_norm_statistics_follow_pytorchs_cumulative_average() -> None:

@@ -289,7 +289,11 @@ def execution_error(
     module_class: str, phase: str, exc: BaseException, inner: BaseException | None = None
 ) -> ExecutionError:
     """The error a failed run raises, for every backend: ORT's message, or the Python error
-    a torch-calling node hit (`inner`: ORT only saw its result)."""
+    a torch-calling node hit (`inner`: ORT only saw its result). An `ExecutionError` already
+    (a segment of a cut graph, `backends/ort/torch_nodes`, named its own failure) stands as
+    it is: wrapped again, its message said the class and the phase twice."""
+    if isinstance(exc, ExecutionError):
+        return exc
     cause = (
         f"a torch-calling node failed in {phase}: {type(inner).__name__}: {inner}"
         if inner is not None

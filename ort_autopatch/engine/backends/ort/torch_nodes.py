@@ -12,7 +12,9 @@ with no such node is never cut: the cost (one session boundary per torch node) f
 graphs that would otherwise have been refused and run entirely in PyTorch.
 
 What a cut must not change is refused (`ExportError`, the refusal a graph with such an
-operator got before): a torch node that draws random numbers or writes into its arguments,
+operator got before): a torch node that computes a size rather than a tensor (a symbolic
+trace's `sym_stride`: the trace is then made for the call's shapes), draws random numbers or
+writes into its arguments,
 and a segment drawing from ORT's generator (dropout), whose seeding is per session run and
 would not follow eager's stream across several sessions.
 """
@@ -67,6 +69,15 @@ class Split:
         return {f"{role}.{k}": s.model for k, s in enumerate(self.segments)}
 
 
+def _holds_tensor(kind: Any) -> bool:
+    """Whether a schema's return type is a tensor, or a list or optional of tensors."""
+    if isinstance(kind, torch.TensorType):
+        return True
+    if isinstance(kind, torch.ListType | torch.OptionalType):
+        return _holds_tensor(kind.getElementType())
+    return False
+
+
 def _check(node: torch.fx.Node, cls: str, what: str) -> None:
     """A torch node whose call could differ from eager's inside a captured graph: refused."""
     target = node.target
@@ -75,6 +86,17 @@ def _check(node: torch.fx.Node, cls: str, what: str) -> None:
             cls,
             f"the {what} graph calls {label(target)}, which has no ONNX form and is no ATen "
             "or library operator a torch node between ONNX Runtime sessions can call",
+            REMEDY,
+        )
+    if not any(_holds_tensor(r.type) for r in target._schema.returns):
+        # a size query of a symbolic trace (`aten.sym_stride`: T5's attention with symbolic
+        # sizes) or another integer: its value is a size of the graph, computed between the
+        # segments' ONNX sizes, which no segment hands over
+        raise ExportError(
+            cls,
+            f"the {what} graph's {label(target)} has no ONNX form and computes a number (a "
+            "size), not a tensor, which a torch node between ONNX Runtime sessions cannot "
+            "hand over",
             REMEDY,
         )
     if torch.Tag.nondeterministic_seeded in target.tags:

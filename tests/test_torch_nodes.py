@@ -8,6 +8,7 @@ the module ran in ONNX Runtime; the build records name the operators that ran th
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import onnx
@@ -1437,6 +1438,25 @@ def test_attention_dropout_inside_the_torch_node_is_seeded_and_active() -> None:
         model.eval()
         undropped = model(x)
     assert not torch.allclose(first, undropped)
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_a_forward_whose_backward_never_runs_keeps_no_torch_graph() -> None:
+    """A routed attention's saved output, kept by the saved-tensor hook as itself, held its
+    own grad_fn: a cycle through C++ the collector cannot see, so every call that was never
+    backpropagated (a validation pass with gradients on) kept its torch graph."""
+    engine = ModuleEngine(Attention("float"), EngineOptions(torch_ops=(SDPA,)))
+    x = torch.randn(2, 6, 16)
+    engine(x).sum().backward()
+    before = _live_tensors()
+    for _ in range(10):
+        engine(x)  # output dropped, no backward
+    assert _live_tensors() - before <= 2
+    assert _torch_nodes(engine) == {SDPA: 1}
 
 
 def test_attention_stays_onnx_on_cpu_by_default() -> None:

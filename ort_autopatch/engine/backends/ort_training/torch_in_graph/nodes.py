@@ -301,13 +301,16 @@ def _owned(borrowed: set[int]) -> Any:
     once the forward moves on: nn.MultiheadAttention's gradients through a routed
     `scaled_dot_product_attention` came out NaN from q, k and v overwritten by then. A tensor
     autograd saves (the operator's own saves, a Function's `save_for_backward`) that lies in
-    such a buffer is copied when saved; everything else is saved as it is.
+    such a buffer is copied when saved; everything else is saved detached (see `pack`).
     """
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel() and tensor.untyped_storage().data_ptr() in borrowed:
             return tensor.detach().clone()
-        return tensor
+        # detached: a saved output kept as itself holds its own grad_fn, a cycle through
+        # C++ that Python's collector cannot see, so a forward whose backward never ran kept
+        # its whole torch graph (a routed attention's weights: 1.1 MB a call)
+        return tensor.detach()
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 

@@ -251,6 +251,8 @@ class RunnableSession:
     fetch_devices: list[Any]
     run_options: Any
     stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
+    #: ORT's OrtValueVector type, for each run's fetches (read once: every call runs this)
+    new_vector: Any = None
 
     @classmethod
     def of(
@@ -265,6 +267,7 @@ class RunnableSession:
             fetch_devices=[ort_device(device)] * len(fetches),
             run_options=runtime.capi().RunOptions(),
             stream=stream,
+            new_vector=runtime.capi().OrtValueVector,
         )
 
     def run(
@@ -272,7 +275,7 @@ class RunnableSession:
     ) -> list[torch.Tensor]:
         """The fetches of one run over `feeds` (ORT's own exception on failure: the caller
         names the phase, `execution_error`)."""
-        fetches = runtime.capi().OrtValueVector()
+        fetches = (self.new_vector or runtime.capi().OrtValueVector)()
         with dlpack.on_stream(self.stream) as caller:  # a shared no-op on CPU
             self.session._sess.run_with_ortvaluevector(
                 self.run_options,

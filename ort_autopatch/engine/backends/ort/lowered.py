@@ -12,6 +12,7 @@ the map from the graph's outputs to the ONNX ones that the `Captured`'s indices 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +99,9 @@ class Lowered:
                 counts[name] = counts.get(name, 0) + count
         return counts
 
-    @property
+    @functools.cached_property
     def slots(self) -> list[int]:
-        """See `Captured.slots`."""
+        """See `Captured.slots` (read by every call: made once)."""
         return [*self.user_outputs, *self.bases, *self.input_mutations]
 
     def graphs(self) -> dict[str, bytes]:

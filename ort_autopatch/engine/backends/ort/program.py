@@ -224,6 +224,8 @@ class OrtProgram:
                 slots[slot] = value
         else:
             slots, _, _ = _forward(self, feeds)
+            if not lowered.regenerated and not lowered.input_mutations:
+                return slots[: len(lowered.user_outputs)]  # nothing to finish (the hot path)
         return _finish(lowered, feeds, slots)
 
     # -- graph_function.DifferentiableGraph ---------------------------------------------------

@@ -84,6 +84,30 @@ def test_the_engine_records_its_torch_nodes_and_cuts_no_other_graph() -> None:
     assert set(plain.lowered.graphs()) == {"forward", "backward"}
 
 
+def test_a_cut_graph_traced_with_symbolic_sizes_serves_other_batch_sizes() -> None:
+    """The second batch size is traced with symbolic sizes: the segments' sessions and the
+    torch nodes between them take every later size, with eager's outputs and gradients."""
+    torch.manual_seed(0)
+    model = TrigammaBetweenLayers()
+    twin = copy.deepcopy(model)
+    engine = ModuleEngine(model, PLAIN)
+    for rows in (5, 7, 3, 9):
+        x = torch.randn(rows, 6, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        model.zero_grad()
+        twin.zero_grad()
+        out, expected = engine(x), twin(x_twin)
+        assert ran_in_plain_ort(out), f"{rows} rows ran elsewhere"
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert [r.dynamic for r in engine.records] == [False, True]
+    assert all(r.torch_nodes == {"aten::polygamma": 2} for r in engine.records)
+
+
 class DrawsBesideTrigamma(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.polygamma(1, nn.functional.dropout(x, 0.5, training=True).abs() + 1)

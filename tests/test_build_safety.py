@@ -278,6 +278,41 @@ def test_a_child_never_finalizes_this_processs_objects(tmp_path: Any) -> None:
     assert log.read_text().split() == [str(os.getpid())], f"child {pid} finalized it too"
 
 
+_ORPHAN = """
+import sys, time
+from ort_autopatch.engine import sandbox
+
+def stuck(receive, send):
+    send("started")
+    time.sleep(3600)  # as on a lock held at the fork, forever
+
+child = sandbox.Child.spawn(stuck)
+assert child.receive(60) == "started"
+print(child.pid, flush=True)
+# ends without closing it
+"""
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_a_stuck_child_ends_with_the_process_that_forked_it() -> None:
+    """A child stuck for good outlives nothing: left running, it would hold the pipes it
+    inherited (a test runner's output, a CI job's) open after its parent exited."""
+    from tests.proc_helpers import PY, REPO, run
+
+    done = run([PY, "-c", _ORPHAN], cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail(f"the child {pid} outlived its parent")
+
+
 def test_no_child_starts_where_forking_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sandbox, "available", lambda: False)
     assert sandbox.Child.spawn(_echo_twice) is None

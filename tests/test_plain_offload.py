@@ -292,6 +292,36 @@ def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
     assert offload.Lowerer.start() is None
 
 
+def test_no_child_is_forked_while_another_thread_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock another thread holds at the fork stays held in the child forever (four threads
+    building at once hung on one): no fork while a thread runs or waits on a lock; a thread
+    at rest in `Event.wait` (tqdm's monitor, a queue) does not keep the child off."""
+    import threading
+
+    from ort_autopatch.engine.backends.ort import offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_core_to_spare", lambda probe=None: True)
+    held, release = threading.Lock(), threading.Event()
+    held.acquire()
+    working = threading.Thread(target=held.acquire, name="user-working", daemon=True)
+    resting = threading.Thread(target=release.wait, name="user-resting", daemon=True)
+    working.start()
+    resting.start()
+    try:
+        assert sandbox.working_thread() == "user-working"
+        assert offload.Lowerer.start() is None
+    finally:
+        held.release()
+        working.join(10)
+    assert sandbox.working_thread() is None  # the resting thread is still there
+    lowerer = offload.Lowerer.start()
+    assert lowerer is not None
+    lowerer.close()
+    release.set()
+    resting.join(10)
+
+
 def test_the_probe_reads_this_machines_cpus() -> None:
     from ort_autopatch.engine.backends.ort import offload
 

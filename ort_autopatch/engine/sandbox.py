@@ -49,11 +49,66 @@ def available() -> bool:
     return hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
+#: Threads of this package's own (progress, reaping, the kept child's timer): none holds a
+#: lock the child takes.
+OWN_THREADS = "ort_autopatch-"
+
+
+def working_thread() -> str | None:
+    """The name of a thread of this process, other than the calling one, that may hold a lock
+    the child would need, or None when all are at rest: ours, or blocked in `threading`'s
+    `Condition.wait` (an `Event`, a `queue.Queue`, a timer: tqdm's monitor, a data loader's
+    queue), which holds no lock while it waits. A thread anywhere else (running, or waiting on
+    a lock, an import, a kernel) may hold one: no fork then, and the build lowers here."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    if not others:
+        return None
+    frames = sys._current_frames()
+    for thread in others:
+        if thread.name.startswith(OWN_THREADS) or thread.ident is None:
+            continue
+        frame = frames.get(thread.ident)
+        if frame is None:  # ended since it was listed
+            continue
+        code = frame.f_code
+        if code.co_filename == threading.__file__ and code.co_name == "wait":
+            continue
+        return thread.name
+    return None
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up in this process (a lookup in the child could wait on the
+    dynamic loader's lock, held at the fork by another thread); None off Linux's glibc."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl_function = _prctl() if available() else None
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child: be killed when the parent ends. A child stuck for good (on a lock held at
+    the fork) would otherwise outlive a parent that exits, holding the pipes it inherited
+    (a test runner's output, a CI job's) open. The signal comes when the forking thread
+    ends: a child forked from a thread other than the main one ends with that thread."""
+    if _prctl_function is not None:
+        _prctl_function(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the call
+        os._exit(1)
+
+
 def _fork() -> int:
     """`os.fork`, with this process's objects never collected in the child: a finalizer run
     there (an ONNX Runtime session's, whose thread pool's threads did not survive the fork)
     would wait for those threads forever. The collector is off across the fork, so it cannot
     run in the child before the objects are frozen."""
+    parent = os.getpid()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -64,6 +119,7 @@ def _fork() -> int:
             pid = os.fork()
         if pid == 0:
             gc.freeze()
+            _die_with_parent(parent)
     finally:
         if enabled:
             gc.enable()

@@ -30,11 +30,15 @@ cross: a node this cannot carry (a symbolic size, a CUDA value, an unknown targe
 type promotion, a child that fails, hangs or dies, all mean lowering here, as without the
 child, with the same result.
 
-Fork safety: the child runs no parallel torch kernel (its thread count is set to 1 before any
-torch work: OpenMP's pool does not survive a fork) and touches no CUDA (only CPU graphs are
-sent); locks another thread of this process may have held at fork time are made anew in the
-child. Its stdout and stderr go nowhere. Where fork is unavailable (`sandbox.available`),
-nothing changes.
+Fork safety: no child is forked while another thread of this process may be working
+(`sandbox.working_thread`): a lock such a thread holds at the fork (a module's import lock, a
+lock of torch's) stays held in the child forever, and the build would wait for an answer that
+never comes (four threads building at once hung this way); a child stuck anyway dies with this
+process (`sandbox`). The child runs no parallel torch kernel (its thread count is set to 1
+before any torch work: OpenMP's pool does not survive a fork) and touches no CUDA (only CPU
+graphs are sent); this package's own locks, which another thread may have held at the fork,
+are made anew in the child. Its stdout and stderr go nowhere. Where fork is unavailable
+(`sandbox.available`), nothing changes.
 """
 
 from __future__ import annotations
@@ -510,7 +514,12 @@ class Lowerer:
 
     @classmethod
     def spawn(cls) -> Lowerer | None:
-        """A child, whatever this process has imported; None where forking is unavailable."""
+        """A child, whatever this process has imported; None where forking is unavailable or
+        another thread may be working (`sandbox.working_thread`)."""
+        busy = sandbox.working_thread()
+        if busy is not None:
+            log.debug("lowering child: not forked while thread %r works", busy)
+            return None
         child = sandbox.Child.spawn(_serve)
         return None if child is None else cls(child)
 

@@ -32,8 +32,12 @@ there and in nox's closing summary.
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import nox
 
@@ -77,6 +81,30 @@ LIGHTNING = "lightning==2.6.6"
 PEFT = "peft==0.21.2"
 
 
+#: Set by .ci/run: each session CI runs removes its venv when it ends. Their venvs together
+#: take 22 GB (torch 2.14's CUDA build twice, 2.15's once, four of 1.3 GB): more than a CI
+#: machine's disk may have free, where one at a time fits.
+DROP_VENVS = os.environ.get("CI_DROP_VENVS") == "1"
+
+
+def _ci_session(python: str | bool | None) -> Callable[[Callable[[nox.Session], None]], object]:
+    """`nox.session` for a session CI runs: its venv is removed when it ends (`DROP_VENVS`)."""
+
+    def decorate(func: Callable[[nox.Session], None]) -> object:
+        @functools.wraps(func)
+        def run(session: nox.Session) -> None:
+            try:
+                func(session)
+            finally:
+                location = getattr(session.virtualenv, "location", None)
+                if DROP_VENVS and location and os.path.isdir(location):
+                    shutil.rmtree(location, ignore_errors=True)
+
+        return nox.session(python=python)(run)
+
+    return decorate
+
+
 def _install(session: nox.Session, *extra: str, torch: tuple[str, ...] = (TORCH,)) -> None:
     """The training build's environment (`ort-training`), where most sessions run; skips the
     session where no Python can install it (TRAINING_SKIP), saying so."""
@@ -114,7 +142,7 @@ TEST_DEPS = (
 )
 
 
-@nox.session(python=TRAINING_PYTHON)
+@_ci_session(TRAINING_PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite (CPU, onnxruntime-training-cpu); prints its slowest tests and its time.
     Then the other sessions CI runs, the plain backend's too where the training build's skip."""
@@ -146,7 +174,7 @@ TRANSFORMERS_TESTS = (
 )
 
 
-@nox.session(python=TRAINING_PYTHON)
+@_ci_session(TRAINING_PYTHON)
 def tests_transformers5(session: nox.Session) -> None:
     """The transformers-dependent tests against transformers 5.x (`nox -s tests` runs it)."""
     _install(session, "pytest", "pytest-timeout", TRANSFORMERS5, ACCELERATE, LIGHTNING, "numpy")
@@ -161,7 +189,7 @@ def tests_transformers5(session: nox.Session) -> None:
 # (121 s against 42 s on 2 cores at load 3; 5 to 7 minutes when the cores are busy).
 
 
-@nox.session(python=PLAIN_PYTHON)
+@_ci_session(PLAIN_PYTHON)
 def tests_plain(session: nox.Session) -> None:
     """The whole suite on the plain backend and the latest onnxruntime (`nox -s tests` runs
     it), with every zoo entry."""
@@ -181,7 +209,7 @@ TORCH_VERSION_TESTS = (
 )
 
 
-@nox.session(python=TRAINING_PYTHON)
+@_ci_session(TRAINING_PYTHON)
 def tests_torch214(session: nox.Session) -> None:
     """The tests torch 2.14 can change, and torchvision's models (`nox -s tests` runs it)."""
     _install(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy", torch=TORCH_214)
@@ -189,7 +217,7 @@ def tests_torch214(session: nox.Session) -> None:
     session.run("pytest", *args, *session.posargs)
 
 
-@nox.session(python=PLAIN_PYTHON)
+@_ci_session(PLAIN_PYTHON)
 def tests_plain_torch214(session: nox.Session) -> None:
     """The same tests on the plain backend (`nox -s tests` runs it): torchvision's models among
     them, which no other plain session can import."""
@@ -217,7 +245,7 @@ TORCH_215_TESTS = (
 )
 
 
-@nox.session(python=PLAIN_PYTHON)
+@_ci_session(PLAIN_PYTHON)
 def tests_torch215(session: nox.Session) -> None:
     """What torch 2.15.0 can change, on the plain backend, every zoo entry (`nox -s tests`
     runs it; torch's PyPI wheel and its CUDA libraries: about 3 GB the first time)."""
@@ -226,7 +254,7 @@ def tests_torch215(session: nox.Session) -> None:
     session.run("pytest", *args, *session.posargs, env={"ZOO_MODELS": "all"})
 
 
-@nox.session(python=PLAIN_PYTHON)
+@_ci_session(PLAIN_PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff and mypy over the package; the README's generated option and benchmark tables.
     On the plain backend's environment: none of it needs the training build (mypy finds no

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -106,3 +107,16 @@ def rendezvous(nproc: int = 2) -> list[str]:
     """torchrun options for `nproc` local ranks on a free port."""
     port = str(free_port())
     return ["--nproc_per_node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", port]
+
+
+def ended(pid: int, seconds: float = 10.0) -> bool:
+    """Whether process `pid` is gone (or gone within `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

@@ -297,20 +297,14 @@ print(child.pid, flush=True)
 def test_a_stuck_child_ends_with_the_process_that_forked_it() -> None:
     """A child stuck for good outlives nothing: left running, it would hold the pipes it
     inherited (a test runner's output, a CI job's) open after its parent exited."""
-    from tests.proc_helpers import PY, REPO, run
+    from tests.proc_helpers import PY, REPO, ended, run
 
     done = run([PY, "-c", _ORPHAN], cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     pid = int(done.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    pytest.fail(f"the child {pid} outlived its parent")
+    if not ended(pid):
+        os.kill(pid, 9)
+        pytest.fail(f"the child {pid} outlived its parent")
 
 
 def test_no_child_starts_where_forking_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -366,9 +366,9 @@ def test_a_later_build_reuses_the_child_and_a_quiet_one_is_closed(
     the exporter's imports again, 1.3 s). A child no build asks for within `IDLE_SECONDS` is
     closed: it holds this process's memory as it was at the fork."""
     import os
-    import time
 
     from ort_autopatch.engine.backends.ort import offload
+    from tests.proc_helpers import ended
 
     spawned: list[offload.Lowerer] = []
     spawn = offload.Lowerer.spawn.__func__  # type: ignore[attr-defined]
@@ -394,15 +394,7 @@ def test_a_later_build_reuses_the_child_and_a_quiet_one_is_closed(
     os.kill(pid, 0)  # kept between builds
     monkeypatch.setattr(offload, "IDLE_SECONDS", 0.05)
     offload.Lowerer.start().release()  # type: ignore[union-attr]  # taken, given back
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the idle child was not closed")
+    assert ended(pid), "the idle child was not closed"
 
 
 def test_the_import_hook_forks_the_child_before_the_first_build(

@@ -307,6 +307,37 @@ def test_a_stuck_child_ends_with_the_process_that_forked_it() -> None:
         pytest.fail(f"the child {pid} outlived its parent")
 
 
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_a_child_forked_beside_a_working_thread_is_given_up_on_sooner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lock another thread holds at the fork may stay held in the child forever: forked
+    beside a working thread, a child that does not answer is killed after
+    `RISKY_TIMEOUT_SECONDS`, not `TIMEOUT_SECONDS` (ten minutes of the user's run), and the
+    step runs here."""
+    import threading
+
+    monkeypatch.setattr(sandbox, "RISKY_TIMEOUT_SECONDS", 1.0)
+    parent = os.getpid()
+
+    def step() -> int:
+        if os.getpid() != parent:
+            time.sleep(3600)  # the child: stuck, as on a lock held at the fork
+        return os.getpid()
+
+    held = threading.Lock()
+    held.acquire()
+    working = threading.Thread(target=held.acquire, name="user-working", daemon=True)
+    working.start()
+    try:
+        start = time.monotonic()
+        assert sandbox.run(step) == parent
+        assert time.monotonic() - start < 30
+    finally:
+        held.release()
+        working.join(10)
+
+
 def test_no_child_starts_where_forking_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sandbox, "available", lambda: False)
     assert sandbox.Child.spawn(_echo_twice) is None

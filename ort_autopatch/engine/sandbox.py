@@ -21,6 +21,10 @@ T = TypeVar("T")
 #: A child still running after this long is presumed stuck (a lock held by another thread at
 #: fork time) and killed; the step then runs in this process.
 TIMEOUT_SECONDS = 600.0
+#: The same where another thread was working at the fork (`working_thread`), when a lock it
+#: held may stay held in the child: a gradient graph takes seconds to build, and a stall of
+#: `TIMEOUT_SECONDS` in the user's run is worse than building here after a minute.
+RISKY_TIMEOUT_SECONDS = 60.0
 
 
 class Crashed(Exception):
@@ -139,12 +143,15 @@ def run(
     child has not answered (work worth doing only where it costs no waiting, so never without
     a child). An exception of either is raised once the child is reaped. Raises
     `Crashed` when the child dies from a signal, `ChildError` when `step` raised there. Falls
-    back to running `step` here when forking is not possible or the child hangs.
+    back to running `step` here when forking is not possible or the child hangs (sooner where
+    another thread was working at the fork: `RISKY_TIMEOUT_SECONDS`).
     """
     if not available():
         if meanwhile is not None:
             meanwhile()
         return step()
+    busy = working_thread()
+    timeout = TIMEOUT_SECONDS if busy is None else RISKY_TIMEOUT_SECONDS
     result_read, result_write = os.pipe()
     error_read, error_write = os.pipe()
     pid = _fork()
@@ -160,7 +167,7 @@ def run(
                 while not _answered(result_read, error_read) and while_waiting():
                     pass
         finally:
-            payload, stderr_text, status = _collect(pid, result_read, error_read)
+            payload, stderr_text, status = _collect(pid, result_read, error_read, timeout)
     finally:
         os.close(result_read)
         os.close(error_read)
@@ -219,8 +226,11 @@ def _child(
         os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
 
 
-def _collect(pid: int, result_read: int, error_read: int) -> tuple[bytes, str, int | None]:
-    """Read both pipes until the child closes them, then reap it; None status if it hung.
+def _collect(
+    pid: int, result_read: int, error_read: int, timeout: float
+) -> tuple[bytes, str, int | None]:
+    """Read both pipes until the child closes them, then reap it; None status if it hung
+    (no end within `timeout` seconds).
 
     A child whose whole result arrived has nothing left to do but exit, and its exit first
     unmaps its share of this process's memory (10-15 ms for a process holding torch): it is
@@ -229,7 +239,7 @@ def _collect(pid: int, result_read: int, error_read: int) -> tuple[bytes, str, i
     chunks: list[bytes] = []
     errors: list[bytes] = []
     open_fds = {result_read: chunks, error_read: errors}
-    deadline = time.monotonic() + TIMEOUT_SECONDS
+    deadline = time.monotonic() + timeout
     while open_fds:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -295,8 +295,10 @@ def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_child_is_forked_while_another_thread_works(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lock another thread holds at the fork stays held in the child forever (four threads
     building at once hung on one): no fork while a thread runs or waits on a lock; a thread
-    at rest in `Event.wait` (tqdm's monitor, a queue) does not keep the child off."""
+    at rest in `Event.wait` (tqdm's monitor, a queue) or `Thread.join` does not keep the child
+    off."""
     import threading
+    import time
 
     from ort_autopatch.engine.backends.ort import offload
 
@@ -306,20 +308,27 @@ def test_no_child_is_forked_while_another_thread_works(monkeypatch: pytest.Monke
     held.acquire()
     working = threading.Thread(target=held.acquire, name="user-working", daemon=True)
     resting = threading.Thread(target=release.wait, name="user-resting", daemon=True)
-    working.start()
+    joining = threading.Thread(target=resting.join, name="user-joining", daemon=True)
     resting.start()
+    joining.start()
+    deadline = time.monotonic() + 10  # until both have reached their wait
+    while sandbox.working_thread() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sandbox.working_thread() is None, "a thread at rest counts as working"
+    working.start()
     try:
         assert sandbox.working_thread() == "user-working"
         assert offload.Lowerer.start() is None
     finally:
         held.release()
         working.join(10)
-    assert sandbox.working_thread() is None  # the resting thread is still there
+    assert sandbox.working_thread() is None  # the resting and joining threads are still there
     lowerer = offload.Lowerer.start()
     assert lowerer is not None
     lowerer.close()
     release.set()
     resting.join(10)
+    joining.join(10)
 
 
 def test_the_probe_reads_this_machines_cpus() -> None:

@@ -56,14 +56,16 @@ def available() -> bool:
 #: Threads of this package's own (progress, reaping, the kept child's timer): none holds a
 #: lock the child takes.
 OWN_THREADS = "ort_autopatch-"
+#: `threading`'s functions a thread at rest waits in: `Condition.wait` and `Thread.join`'s
+_AT_REST = ("wait", "_wait_for_tstate_lock")
 
 
 def working_thread() -> str | None:
     """The name of a thread of this process, other than the calling one, that may hold a lock
     the child would need, or None when all are at rest: ours, or blocked in `threading`'s
     `Condition.wait` (an `Event`, a `queue.Queue`, a timer: tqdm's monitor, a data loader's
-    queue), which holds no lock while it waits. A thread anywhere else (running, or waiting on
-    a lock, an import, a kernel) may hold one: no fork then, and the build lowers here."""
+    queue) or `Thread.join`, which take no lock while they wait. A thread anywhere else
+    (running, or waiting on a lock, an import, a kernel) may hold one: no fork then."""
     others = [t for t in threading.enumerate() if t is not threading.current_thread()]
     if not others:
         return None
@@ -75,7 +77,7 @@ def working_thread() -> str | None:
         if frame is None:  # ended since it was listed
             continue
         code = frame.f_code
-        if code.co_filename == threading.__file__ and code.co_name == "wait":
+        if code.co_filename == threading.__file__ and code.co_name in _AT_REST:
             continue
         return thread.name
     return None

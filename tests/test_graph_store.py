@@ -105,6 +105,83 @@ def test_a_graph_whose_gradients_run_in_torch_is_stored_and_loads_with_them(
     torch.testing.assert_close(model.up.weight.grad, grad)
 
 
+ROUTED_FORWARD = (
+    "routing an operator to torch (--torch-ops) is the training build's; the plain backend "
+    "cuts its graphs at torch nodes instead, which name this process's callables"
+)
+
+
+class Mixes(nn.Module):
+    """A forward node routed to torch by --torch-ops (einsum), a scalar argument and a dtype
+    among the arguments of another (cumsum's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ij,jk->ik", x, self.w).cumsum(1, dtype=torch.float32)
+
+
+class Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class CustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = Doubled.apply(self.fc(x))
+        return out
+
+
+ROUTED = ("aten::einsum", "aten::cumsum")
+
+
+@pytest.mark.skipif(plain_backend(), reason=ROUTED_FORWARD)
+def test_a_graph_with_a_routed_forward_node_is_stored_and_loads_with_it(tmp_path: Path) -> None:
+    """Routed nodes are named by what they call, the same in every process: a graph holding
+    them is stored, and a loaded one registers them again, with eager's numbers."""
+    torch.manual_seed(0)
+    model = Mixes()
+    x = torch.randn(5, 4)
+    first_engine = _engine(model, tmp_path, torch_ops=ROUTED)
+    first = _train_once(first_engine, x)
+    assert first_engine.records[0].torch_nodes == {"aten::einsum": 1, "aten::cumsum": 1}
+    grad = model.w.grad.clone()
+    model.zero_grad()
+    second_engine = _engine(model, tmp_path, torch_ops=ROUTED)
+    second = _train_once(second_engine, x)
+    assert second_engine.records[0].from_disk, "the graph with routed nodes was not stored"
+    assert second_engine.records[0].torch_nodes == {"aten::einsum": 1, "aten::cumsum": 1}
+    torch.testing.assert_close(second, first)
+    torch.testing.assert_close(model.w.grad, grad)
+    expected = torch.einsum("ij,jk->ik", x, model.w).cumsum(1)
+    torch.testing.assert_close(second, expected)
+
+
+@pytest.mark.skipif(plain_backend(), reason=ROUTED_FORWARD)
+def test_a_graph_calling_a_custom_function_is_not_stored(tmp_path: Path) -> None:
+    """A custom autograd.Function's node calls this process's class: never stored."""
+    torch.manual_seed(0)
+    model = CustomFunction()
+    x = torch.randn(5, 4)
+    first_engine = _engine(model, tmp_path)
+    _train_once(first_engine, x)
+    assert first_engine.records[0].torch_nodes
+    second_engine = _engine(model, tmp_path)
+    _train_once(second_engine, x)
+    assert not second_engine.records[0].from_disk
+
+
 @pytest.mark.skipif(plain_backend(), reason=ROUTED_GRADIENTS)
 def test_saved_graphs_show_the_torch_calling_gradient_nodes(tmp_path: Path) -> None:
     engine = ModuleEngine(Wide(), EngineOptions(save_onnx=tmp_path))
@@ -355,6 +432,59 @@ def test_a_fresh_process_loads_a_stored_graph_without_onnx_or_the_exporter(
     assert [r["from_disk"] for r in runs] == [[False], [True], [True]]
     assert runs[0]["imported"]  # the build exported
     assert runs[1]["imported"] == runs[2]["imported"] == []
+
+
+ROUTED_SCRIPT = """
+import json, sys, torch
+from torch import nn
+from ort_autopatch.engine import EngineOptions, ModuleEngine
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+    def forward(self, x):
+        return torch.einsum("ij,jk->ik", x, self.w).cumsum(1, dtype=torch.float32)
+
+torch.manual_seed(0)
+model = Net()
+options = EngineOptions(cache_dir=sys.argv[1], torch_ops=("aten::einsum", "aten::cumsum"))
+engine = ModuleEngine(model, options)
+before = set(sys.modules)
+x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+out = engine(x)
+out.sum().backward()
+grad = model.w.grad.clone()
+model.zero_grad()
+expected = model.forward(x)
+expected.sum().backward()
+print(json.dumps({
+    "from_disk": [r.from_disk for r in engine.records],
+    "torch_nodes": engine.records[0].torch_nodes,
+    "output_diff": (out - expected).abs().max().item(),
+    "grad_diff": (grad - model.w.grad).abs().max().item(),
+    "imported": sorted(m for m in set(sys.modules) - before
+        if m.split(".")[0] in ("onnx", "onnxscript", "onnx_ir") or m.startswith("torch.onnx")),
+}))
+"""
+
+
+@pytest.mark.skipif(plain_backend(), reason=ROUTED_FORWARD)
+def test_a_fresh_process_loads_a_graph_with_routed_nodes_and_registers_them(
+    tmp_path: Path,
+) -> None:
+    """Another process has none of the routed nodes: loading the graph registers them from
+    their stored descriptions (no exporter import), and they give eager's numbers."""
+    import json
+
+    script = tmp_path / "routed.py"
+    script.write_text(ROUTED_SCRIPT)
+    runs = [json.loads(_run(script, tmp_path / "cache").splitlines()[-1]) for _ in range(2)]
+    assert [r["from_disk"] for r in runs] == [[False], [True]]
+    for found in runs:
+        assert found["torch_nodes"] == {"aten::einsum": 1, "aten::cumsum": 1}, found
+        assert found["output_diff"] < 1e-5 and found["grad_diff"] < 1e-5, found
+    assert runs[0]["imported"] and runs[1]["imported"] == []
 
 
 def test_two_processes_writing_at_once_leave_a_loadable_entry(tmp_path: Path) -> None:

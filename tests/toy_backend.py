@@ -35,6 +35,9 @@ class _Payload:
     def meta(self) -> dict[str, object]:
         return {}
 
+    def restores_torch_nodes(self) -> bool:
+        return False
+
 
 class ToyProgram:
     """A call as torch runs it: forward under autograd inside the shared Function."""

@@ -163,6 +163,7 @@ def meta_of(recipe: Recipe) -> dict[str, Any] | None:
         if recipe.traced_shapes is None
         else [list(shape) for shape in recipe.traced_shapes],
         "size_guards": None if recipe.size_guards is None else recipe.size_guards.meta(),
+        "torch_nodes": recipe.torch_nodes,
         "payload": recipe.payload.meta(),
     }
 
@@ -199,6 +200,7 @@ def recipe_from(stored: StoredEntry, cls: str, backend: type[Backend]) -> Recipe
             size_guards=None
             if meta.get("size_guards") is None
             else SizeGuards.from_meta(meta["size_guards"]),
+            torch_nodes={str(k): int(v) for k, v in meta.get("torch_nodes", {}).items()},
         )
     except Exception as exc:
         log.warning(
@@ -346,8 +348,9 @@ class Persistence:
         """Store a built recipe (`static`: its key now, `base_key`: its key when the build
         started, None when either had none) and write the graphs its sessions run (`ran`: role
         -> graph, besides the forward) to `--save-onnx`."""
-        # torch-calling nodes name callables of this process: such graphs cannot be reloaded
-        persistable = not recipe.torch_nodes
+        # torch-calling nodes may name callables of this process only: such graphs cannot
+        # be loaded by another (`Payload.restores_torch_nodes`)
+        persistable = not recipe.torch_nodes or recipe.payload.restores_torch_nodes()
         if persistable and self.store is not None and static is not None and base_key is not None:
             paths = self.guards.paths() if self.guards is not None else []
             known = self.store.paths(static)

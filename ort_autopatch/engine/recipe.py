@@ -77,6 +77,11 @@ class Payload(Protocol):
         """Everything else, as JSON."""
         ...
 
+    def restores_torch_nodes(self) -> bool:
+        """Whether a process loading the recipe can make its torch-calling nodes again (a
+        recipe with torch nodes that cannot is never stored)."""
+        ...
+
 
 @dataclass
 class Recipe:

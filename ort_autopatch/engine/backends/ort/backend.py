@@ -69,6 +69,10 @@ class OrtPayload:
         meta: dict[str, Any] = self.lowered.meta()
         return meta
 
+    def restores_torch_nodes(self) -> bool:
+        """Never: a cut graph's torch nodes are this process's callables."""
+        return False
+
 
 def _redraws(lowered: Any) -> bool:
     """Whether the lowered forward draws from random operators ORT seeds once per session."""

@@ -288,6 +288,8 @@ class GraphFacts:
     backward_reads_outputs: tuple[int, ...]
     python_nodes: bool
     torch_nodes: dict[str, int]  # torch-calling nodes by label (`nodes.Inventory`)
+    #: every PythonOp node is named by what it calls (`stored`): the facts hold in any process
+    storable: bool = True
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -331,6 +333,7 @@ def graph_facts(model: bytes, num_outputs: int) -> GraphFacts:
         ),
         python_nodes=any(n.op_type == "PythonOp" for n in proto.graph.node),
         torch_nodes=nodes.Inventory.of(proto).counts,
+        storable=nodes.described_only(proto),
     )
 
 

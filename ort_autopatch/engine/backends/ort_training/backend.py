@@ -163,7 +163,11 @@ class OrtTrainingBackend(Backend):
                     capture,
                     self._derived.facts(runs),
                 )
-                payload.optimized = payload.optimized or program.optimized
+                if payload.optimized is None and program.optimized is not None:
+                    payload.optimized = program.optimized
+                    # the facts a warm start of the stored graph reads, kept now: else its
+                    # first call parses the optimised graph, importing onnx (half a second)
+                    self._derived.facts(dataclasses.replace(runs, model=program.optimized))
             ran = swapped or payload.gradient
             kept = program_feeds_kept(recipe, program.feed_names)
             upgrade = None

@@ -66,6 +66,6 @@ class Derived:
             except (KeyError, TypeError, ValueError):
                 pass
         facts = agent.graph_facts(gradient.model, gradient.num_outputs)
-        if not facts.python_nodes:
+        if facts.storable:  # else its labels name this process's callables
             self.save(parts, facts.meta(), {})
         return facts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,12 @@ class OrtTrainingPayload:
 
     gradient: agent.GradientGraph | None  # None: an inference recipe
     optimized: bytes | None = None  # ORT's optimised form of the graph that runs
+    #: the graphs' torch-calling nodes as `stored.restore` takes them, by name; None when one
+    #: cannot be stored (a custom Function's): then neither can the recipe
+    nodes: dict[str, dict[str, Any]] | None = field(default_factory=dict)
+
+    def restores_torch_nodes(self) -> bool:
+        return self.nodes is not None
 
     def graphs(self) -> dict[str, bytes]:
         graphs = {}
@@ -38,6 +44,7 @@ class OrtTrainingPayload:
     def meta(self) -> dict[str, Any]:
         g = self.gradient
         return {
+            "nodes": self.nodes or {},
             "gradient": None
             if g is None
             else {
@@ -46,12 +53,18 @@ class OrtTrainingPayload:
                 "non_differentiable": g.non_differentiable,
                 "full_shape_grads": g.full_shape_grads,
                 "grad_of": g.grad_of,
-            }
+            },
         }
 
     @classmethod
     def from_stored(cls, meta: dict[str, Any], graphs: dict[str, bytes]) -> OrtTrainingPayload:
-        """The payload `meta()` and `graphs()` wrote."""
+        """The payload `meta()` and `graphs()` wrote, its torch-calling nodes registered in
+        this process (ValueError where one cannot be: the graph is built again)."""
+        from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes as torch_nodes
+
+        nodes = {str(name): dict(node) for name, node in meta.get("nodes", {}).items()}
+        for name, node in nodes.items():
+            torch_nodes.restore(name, node)
         g = meta["gradient"]
         gradient = None
         if g is not None:
@@ -66,7 +79,7 @@ class OrtTrainingPayload:
         # No `onnx.checker` (its import alone costs half a second): the store's checksums say
         # these are the bytes this tool wrote, and ONNX Runtime refuses an invalid graph as it
         # loads it, which the engine then builds again.
-        return cls(gradient, graphs.get("optimized"))
+        return cls(gradient, graphs.get("optimized"), nodes)
 
 
 def payload_of(recipe: Recipe) -> OrtTrainingPayload:
@@ -78,7 +91,12 @@ def payload_of(recipe: Recipe) -> OrtTrainingPayload:
 
 #: besides the declared passes (`passes.version`): the sources that decide what the exporter
 #: writes (its call protocol, the extra symbolics, which operators become torch-calling nodes)
-_EXPORT_SOURCES = ("export.py", "symbolics.py", "torch_in_graph/routing.py")
+_EXPORT_SOURCES = (
+    "export.py",
+    "symbolics.py",
+    "torch_in_graph/routing.py",
+    "torch_in_graph/stored.py",
+)
 
 
 @functools.cache

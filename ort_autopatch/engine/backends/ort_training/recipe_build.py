@@ -261,7 +261,7 @@ def _recipe(
         backend=backend.name,
         has_backward=grad,
         forward_model=model_bytes,
-        payload=OrtTrainingPayload(gradient),
+        payload=OrtTrainingPayload(gradient, nodes=nodes.stored_nodes(model)),
         feed_sources=sources,
         num_user_outputs=passed.num_user_outputs,
         output_spec=exported.output_spec,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor, nodes
-from ort_autopatch.engine.backends.ort_training.torch_in_graph.nodes import TENSOR
+from ort_autopatch.engine.backends.ort_training.torch_in_graph.stored import TENSOR
 
 #: Elements from which a gradient node calls torch through the compiled executor: ORT's
 #: `ReluGrad` takes 141 us for 2^15 floats and an `ATen` node 19 us (about 15 of them fixed);

@@ -23,7 +23,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import hashlib
 import itertools
+import json
 import logging
 import platform
 import sys
@@ -36,7 +38,8 @@ import torch
 from torch.utils import dlpack
 
 from ort_autopatch.engine import rng
-from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import aten_executor, stored
+from ort_autopatch.engine.backends.ort_training.torch_in_graph.stored import TENSOR
 from ort_autopatch.engine.dlpack import dense
 
 log = logging.getLogger("ort_autopatch")
@@ -45,7 +48,6 @@ DOMAIN = "com.microsoft"
 OP_TYPE = "PythonOp"
 GRAD_OP_TYPE = "PythonOpGrad"
 NAME_PREFIX = "ort_autopatch."
-TENSOR = object()  # placeholder for a tensor argument in NodeSpec.template
 
 
 @dataclass
@@ -63,6 +65,8 @@ class NodeSpec:
     random: bool = False  # draws random numbers: runs on a fork of the RNG, seeded by the tool
     output_dtypes: list[torch.dtype] = field(default_factory=list)
     clone_inputs: bool = False  # until the first run shows it never writes its inputs
+    #: the node as the persistent cache stores it (`stored.restore`), None for a Function's
+    stored: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,8 @@ class Callee:
     template: list[Any]
     random: bool = False
     clone_inputs: bool = False
+    #: an ATen node's callable as data (`stored.describe`): named by it, and storable
+    described: dict[str, Any] | None = None
 
 
 _specs: dict[str, NodeSpec] = {}
@@ -99,10 +105,28 @@ def new_spec(
     bool_outputs: list[bool],
     output_dtypes: Sequence[torch.dtype] = (),
 ) -> NodeSpec:
-    """Register a node's callable under a fresh name (ORT holds the name for the process)."""
+    """Register a node's callable under a fresh name (ORT holds the name for the process).
+
+    A described node (`Callee.described`) is named by its description and typed values, the
+    same name in every process (`stored`): the one spec of that name serves every node that
+    calls the same thing, registered once."""
     ensure_runners()
+    stored = None
+    if callee.described is not None:
+        stored = {
+            **callee.described,
+            "bool_inputs": list(bool_inputs),
+            "bool_outputs": list(bool_outputs),
+            "output_dtypes": [str(d).removeprefix("torch.") for d in output_dtypes],
+        }
     with _lock:
-        name = f"{NAME_PREFIX}{callee.kind}.{next(_counter)}"
+        if stored is None:
+            name = f"{NAME_PREFIX}{callee.kind}.{next(_counter)}"
+        else:
+            text = json.dumps(stored, sort_keys=True)
+            name = f"{NAME_PREFIX}{callee.kind}.{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+            if name in _specs:
+                return _specs[name]
         spec = NodeSpec(
             name,
             callee.label,
@@ -115,11 +139,22 @@ def new_spec(
             random=callee.random,
             clone_inputs=callee.clone_inputs,
             output_dtypes=list(output_dtypes),
+            stored=stored,
         )
         _specs[name] = spec
     _, capi = _ort()
     capi.register_torch_autograd_function(name, _Registered)
     return spec
+
+
+def registered(name: str) -> bool:
+    """Whether this process has a node of that name."""
+    return name in _specs
+
+
+def spec(name: str) -> NodeSpec | None:
+    """The node of that name, if this process has it."""
+    return _specs.get(name)
 
 
 class _Registered(torch.autograd.Function):
@@ -572,6 +607,18 @@ def nodes_in(model: Any) -> list[NodeRecord]:
     return found
 
 
+def described_only(model: Any) -> bool:
+    """Whether every PythonOp node of `model` is named by what it calls (`NodeSpec.stored`):
+    the same name in every process."""
+    for node in model.graph.node:
+        if node.op_type == OP_TYPE and node.domain == DOMAIN:
+            name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+            found = _specs.get(name)
+            if found is None or found.stored is None:
+                return False
+    return True
+
+
 @dataclass
 class Inventory:
     """How many nodes of a graph run through torch, by label."""
@@ -584,3 +631,48 @@ class Inventory:
         for record in nodes_in(model):
             counts[record.label] = counts.get(record.label, 0) + 1
         return cls(counts)
+
+
+def restore(name: str, node: dict[str, Any]) -> None:
+    """Register a stored node (`NodeSpec.stored`) under `name`, unless this process has
+    it (`new_spec` derives the same name from the same description). Raises ValueError
+    where this torch lacks its operator or the description is of another format or another
+    node: the caller then builds the graph again."""
+    if registered(name):
+        return
+    if node.get("format") != stored.FORMAT:
+        raise ValueError(f"a torch-calling node stored in format {node.get('format')!r}")
+    try:
+        overload = stored.overload(str(node["operator"]))
+    except AttributeError as exc:
+        raise ValueError(f"this torch has no {node['operator']}") from exc
+    described = {k: node[k] for k in stored.DESCRIBED}
+    callee = Callee(
+        str(node["label"]),
+        "aten",
+        stored.aten_call(overload, list(node["names"])),
+        stored.decode(node["template"]),
+        random=bool(node["random"]),
+        clone_inputs=bool(node["clone_inputs"]),
+        described=described,
+    )
+    new_spec(
+        callee,
+        [bool(b) for b in node["bool_inputs"]],
+        [bool(b) for b in node["bool_outputs"]],
+        [stored.decode({"dtype": d}) for d in node["output_dtypes"]],
+    )
+    if not registered(name):
+        raise ValueError(f"the stored node {name} describes another node")
+
+
+def stored_nodes(model: Any) -> dict[str, dict[str, Any]] | None:
+    """Each torch-calling node of `model` (an ONNX ModelProto) by name, as `restore` takes it;
+    None when one has no description (a custom Function's) or is an ATen executor node."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in nodes_in(model):
+        found_spec = _specs.get(record.name)
+        if found_spec is None or found_spec.stored is None:
+            return None
+        found[record.name] = found_spec.stored
+    return found

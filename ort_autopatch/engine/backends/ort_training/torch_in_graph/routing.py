@@ -15,8 +15,8 @@ import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_helper
 
 from ort_autopatch.engine import random_ops
-from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
-from ort_autopatch.engine.backends.ort_training.torch_in_graph.nodes import TENSOR
+from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes, stored
+from ort_autopatch.engine.backends.ort_training.torch_in_graph.stored import TENSOR, ScalarMarker
 
 _Scalar = _type_utils.JitScalarType
 DOMAIN = nodes.DOMAIN
@@ -24,23 +24,6 @@ DOMAIN = nodes.DOMAIN
 
 class NotRoutable(Exception):
     """This call cannot become a torch-calling node; the message says why."""
-
-
-class _Scalar_:
-    """A non-tensor argument computed in the graph: it travels as a tensor, converted back."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def convert(self, tensor: torch.Tensor) -> Any:
-        value: Any = tensor.item() if tensor.numel() == 1 else tensor.tolist()
-        if self.kind == "int":
-            return int(value)
-        if self.kind == "float":
-            return float(value)
-        if self.kind == "bool":
-            return bool(value)
-        return value
 
 
 def _onnx_type(value: Any) -> int:
@@ -69,7 +52,7 @@ def _tensor_outputs(node: Any, label: str) -> list[Any]:
 def emit(g: Any, callee: nodes.Callee, tensors: list[Any], outputs: list[Any]) -> list[Any]:
     """One PythonOp node; returns its outputs (the context output left out).
 
-    `callee.template` is the flat argument list with TENSOR (or a `_Scalar_` marker) where each
+    `callee.template` is the flat argument list with TENSOR (or a `ScalarMarker`) where each
     of `tensors` goes; `outputs` are the traced values whose dtype and rank the node declares.
     """
     bool_inputs = [_Scalar.from_value(t, _Scalar.UNDEFINED) == _Scalar.BOOL for t in tensors]
@@ -302,7 +285,7 @@ def aten_symbolic(name: str) -> Callable[..., Any]:
                 template.append(_python(found, base, is_list))
                 continue
             if base in ("int", "float", "bool", "Scalar") and not is_list:
-                template.append(_Scalar_(base))
+                template.append(ScalarMarker(base))
                 tensors.append(value)
                 continue
             if base == "int" and symbolic_helper._is_packed_list(value):
@@ -312,21 +295,22 @@ def aten_symbolic(name: str) -> Callable[..., Any]:
                     if known_item:
                         listed.append(_python(item_value, "int", False))
                     else:
-                        listed.append(_Scalar_("int"))
+                        listed.append(ScalarMarker("int"))
                         tensors.append(item)
                 template.append(listed)
                 continue
             raise NotRoutable(f"{name}: argument {argument.name} ({argument.type}) is not known")
-        positional = [n is None for n in names]
-
-        def call(*values: Any) -> Any:
-            args = [v for v, p in zip(values, positional, strict=True) if p]
-            kwargs = {n: v for v, n in zip(values, names, strict=True) if n is not None}
-            return overload(*args, **kwargs)
-
         outputs = _tensor_outputs(node, name)
-        # a random operator runs under the tool's generator
-        callee = nodes.Callee(name, "aten", call, template, random=random_ops.aten(name))
+        random = random_ops.aten(name)  # a random operator runs under the tool's generator
+        operator = f"{schema.name}.{schema.overload_name or 'default'}"
+        callee = nodes.Callee(
+            name,
+            "aten",
+            stored.aten_call(overload, names),
+            template,
+            random=random,
+            described=stored.describe(operator, names, name, template, random),
+        )
         results = emit(g, callee, tensors, outputs)
         return results[0] if len(results) == 1 else tuple(results)
 

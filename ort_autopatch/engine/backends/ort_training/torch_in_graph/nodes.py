@@ -147,16 +147,6 @@ def new_spec(
     return spec
 
 
-def registered(name: str) -> bool:
-    """Whether this process has a node of that name."""
-    return name in _specs
-
-
-def spec(name: str) -> NodeSpec | None:
-    """The node of that name, if this process has it."""
-    return _specs.get(name)
-
-
 class _Registered(torch.autograd.Function):
     """What ORT's function pool stores per name (it insists on an autograd.Function); our
     runners ignore it and find the node's NodeSpec by name."""
@@ -592,12 +582,21 @@ class NodeRecord:
     kind: str
 
 
+def _func_name(node: Any) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+
+
+def _python_op_names(model: Any) -> list[str]:
+    """The registered names the PythonOp nodes of an ONNX model call."""
+    return [_func_name(n) for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+
+
 def nodes_in(model: Any) -> list[NodeRecord]:
     """The torch-calling nodes of an ONNX model (forward nodes only), `ATen` nodes included."""
     found = []
     for node in model.graph.node:
         if node.op_type == OP_TYPE and node.domain == DOMAIN:
-            name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+            name = _func_name(node)
             spec = _specs.get(name)
             if spec is not None:
                 found.append(NodeRecord(name, spec.label, spec.kind))
@@ -609,14 +608,11 @@ def nodes_in(model: Any) -> list[NodeRecord]:
 
 def described_only(model: Any) -> bool:
     """Whether every PythonOp node of `model` is named by what it calls (`NodeSpec.stored`):
-    the same name in every process."""
-    for node in model.graph.node:
-        if node.op_type == OP_TYPE and node.domain == DOMAIN:
-            name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
-            found = _specs.get(name)
-            if found is None or found.stored is None:
-                return False
-    return True
+    the same name in every process (ATen executor nodes name their operator anyway)."""
+    return all(
+        spec is not None and spec.stored is not None
+        for spec in map(_specs.get, _python_op_names(model))
+    )
 
 
 @dataclass
@@ -638,7 +634,7 @@ def restore(name: str, node: dict[str, Any]) -> None:
     it (`new_spec` derives the same name from the same description). Raises ValueError
     where this torch lacks its operator or the description is of another format or another
     node: the caller then builds the graph again."""
-    if registered(name):
+    if name in _specs:
         return
     if node.get("format") != stored.FORMAT:
         raise ValueError(f"a torch-calling node stored in format {node.get('format')!r}")
@@ -662,7 +658,7 @@ def restore(name: str, node: dict[str, Any]) -> None:
         [bool(b) for b in node["bool_outputs"]],
         [stored.decode({"dtype": d}) for d in node["output_dtypes"]],
     )
-    if not registered(name):
+    if name not in _specs:
         raise ValueError(f"the stored node {name} describes another node")
 
 

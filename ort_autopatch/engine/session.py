@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -241,6 +241,9 @@ def create(
     return session, captured
 
 
+_Runnable = TypeVar("_Runnable", bound="RunnableSession")
+
+
 @dataclass
 class RunnableSession:
     """A session with everything one run passes it: what every backend's graph runs through."""
@@ -250,14 +253,18 @@ class RunnableSession:
     fetch_names: list[str]
     fetch_devices: list[Any]
     run_options: Any
-    stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
     #: ORT's OrtValueVector type, for each run's fetches (read once: every call runs this)
-    new_vector: Any = None
+    new_vector: Any
+    stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
 
     @classmethod
     def of(
-        cls, session: Any, device: torch.device, stream: Any, fetch_names: list[str] | None = None
-    ) -> RunnableSession:
+        cls: type[_Runnable],
+        session: Any,
+        device: torch.device,
+        stream: Any,
+        fetch_names: list[str] | None = None,
+    ) -> _Runnable:
         """`session`'s inputs in its own order, and `fetch_names` (default: its outputs)."""
         fetches = fetch_names or [o.name for o in session.get_outputs()]
         return cls(
@@ -275,7 +282,7 @@ class RunnableSession:
     ) -> list[torch.Tensor]:
         """The fetches of one run over `feeds` (ORT's own exception on failure: the caller
         names the phase, `execution_error`)."""
-        fetches = (self.new_vector or runtime.capi().OrtValueVector)()
+        fetches = self.new_vector()
         with dlpack.on_stream(self.stream) as caller:  # a shared no-op on CPU
             self.session._sess.run_with_ortvaluevector(
                 self.run_options,

@@ -42,22 +42,14 @@ def build_inference(
     optimized: bool = False,
     capture: bool = False,
 ) -> InferenceProgram:
-    _, capi = runtime.load(training=False)
+    runtime.load(training=False)
     stream = compute_stream(device)
     session, captured = create(
         model_bytes, device, settings, cls, False, optimized, capture, stream
     )
-    feeds = [i.name for i in session.get_inputs()]
-    fetches = [o.name for o in session.get_outputs()]  # the graph's outputs, in order
-    return InferenceProgram(
-        session=session,
-        feed_names=feeds,
-        fetch_names=fetches,
-        fetch_devices=[ort_device(device)] * len(fetches),
-        run_options=capi.RunOptions(),
-        optimized=captured,
-        stream=stream,
-    )
+    program = InferenceProgram.of(session, device, stream)  # the graph's outputs, in order
+    program.optimized = captured
+    return program
 
 
 @dataclass

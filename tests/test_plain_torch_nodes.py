@@ -6,7 +6,7 @@ through the plain backend raises or counts as eager."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -45,6 +45,30 @@ def _patched() -> Iterator[None]:
     yield from patched([TrigammaBetweenLayers], settings)
 
 
+def _step_matches(
+    call: Callable[[torch.Tensor], torch.Tensor],
+    eager: Callable[[torch.Tensor], torch.Tensor],
+    model: nn.Module,
+    twin: nn.Module,
+    rows: int,
+    what: str,
+) -> None:
+    """One training step through `call` in ORT and through `eager` on `twin`: the same
+    outputs, input gradients and parameter gradients."""
+    x = torch.randn(rows, 6, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    model.zero_grad()
+    twin.zero_grad()
+    out, expected = call(x), eager(x_twin)
+    assert ran_in_plain_ort(out), f"{what} ran elsewhere"
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.usefixtures("_patched")
 def test_an_operator_with_no_onnx_form_runs_in_torch_between_ort_segments() -> None:
     torch.manual_seed(0)
@@ -52,18 +76,7 @@ def test_an_operator_with_no_onnx_form_runs_in_torch_between_ort_segments() -> N
     twin = copy.deepcopy(model)
     forward = TrigammaBetweenLayers.forward
     for step in range(3):
-        x = torch.randn(5, 6, requires_grad=True)
-        x_twin = x.detach().clone().requires_grad_()
-        model.zero_grad()
-        twin.zero_grad()
-        out, expected = model(x), forward(twin, x_twin)
-        assert ran_in_plain_ort(out), f"call {step} ran elsewhere"
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        out.pow(2).sum().backward()
-        expected.pow(2).sum().backward()
-        torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-4, atol=1e-5)
-        for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        _step_matches(model, lambda x: forward(twin, x), model, twin, 5, f"call {step}")
         for a, b in zip(model.buffers(), twin.buffers(), strict=True):
             torch.testing.assert_close(a, b)
     stats = class_stats(TrigammaBetweenLayers)
@@ -92,18 +105,7 @@ def test_a_cut_graph_traced_with_symbolic_sizes_serves_other_batch_sizes() -> No
     twin = copy.deepcopy(model)
     engine = ModuleEngine(model, PLAIN)
     for rows in (5, 7, 3, 9):
-        x = torch.randn(rows, 6, requires_grad=True)
-        x_twin = x.detach().clone().requires_grad_()
-        model.zero_grad()
-        twin.zero_grad()
-        out, expected = engine(x), twin(x_twin)
-        assert ran_in_plain_ort(out), f"{rows} rows ran elsewhere"
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        out.pow(2).sum().backward()
-        expected.pow(2).sum().backward()
-        torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-4, atol=1e-5)
-        for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        _step_matches(engine, twin, model, twin, rows, f"{rows} rows")
     assert [r.dynamic for r in engine.records] == [False, True]
     assert all(r.torch_nodes == {"aten::polygamma": 2} for r in engine.records)
 

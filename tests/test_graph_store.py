@@ -123,26 +123,6 @@ class Mixes(nn.Module):
         return torch.einsum("ij,jk->ik", x, self.w).cumsum(1, dtype=torch.float32)
 
 
-class Doubled(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return grad * 2
-
-
-class CustomFunction(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = Doubled.apply(self.fc(x))
-        return out
-
-
 ROUTED = ("aten::einsum", "aten::cumsum")
 
 
@@ -185,9 +165,11 @@ def test_a_graph_with_a_routed_forward_node_is_stored_and_loads_with_it(tmp_path
 @pytest.mark.skipif(plain_backend(), reason=ROUTED_FORWARD)
 def test_a_graph_calling_a_custom_function_is_not_stored(tmp_path: Path) -> None:
     """A custom autograd.Function's node calls this process's class: never stored."""
+    from tests.test_torch_nodes import Quantised  # a straight-through estimator's Function
+
     torch.manual_seed(0)
-    model = CustomFunction()
-    x = torch.randn(5, 4)
+    model = Quantised()
+    x = torch.randn(5, 8)
     first_engine = _engine(model, tmp_path)
     _train_once(first_engine, x)
     assert first_engine.records[0].torch_nodes

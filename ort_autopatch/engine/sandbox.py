@@ -343,9 +343,14 @@ class Child:
             raise ChildError(f"{value.type_name}: {value.message}")
         return value
 
-    def close(self) -> None:
+    def answered(self) -> bool:
+        """Whether a message (or the child's end) is there to be read, without waiting."""
+        return bool(self._reader.buffer) or _answered(self._from_child)
+
+    def close(self, reap: bool = True) -> None:
         """End the child (if still running) and reap it in the background: its exit unmaps
-        its share of this process's memory, which need not be waited for."""
+        its share of this process's memory, which need not be waited for (`reap=False`: not
+        reaped, a zombie until this process ends)."""
         for fd in (self._to_child, self._from_child):
             try:
                 os.close(fd)
@@ -355,6 +360,8 @@ class Child:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if not reap:
+            return
         threading.Thread(
             target=_reap, args=(self.pid,), name="ort_autopatch-reap", daemon=True
         ).start()
@@ -373,8 +380,8 @@ class _Reader:
             self.buffer[:8], "little"
         ):
             if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                left = max(deadline - time.monotonic(), 0.0)  # 0: what has arrived only
+                if not select.select([self.fd], [], [], left)[0]:
                     raise TimeoutError("no message from the child in time")
             data = os.read(self.fd, 1 << 20)
             if not data:

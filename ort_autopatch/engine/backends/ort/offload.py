@@ -481,6 +481,18 @@ _kept_lock = threading.Lock()
 _kept: list[tuple[Lowerer, threading.Timer]] = []  # the child between two builds, if any
 
 
+def _forget_kept() -> None:
+    """In a forked process (a build child, `aside.py`; a data loader's worker): the kept
+    child is the parent's to use and close, and our lock may have been held at the fork."""
+    global _kept_lock
+    _kept_lock = threading.Lock()
+    _kept.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_kept)
+
+
 class Lowerer:
     """A child lowering the exact-shape graphs of a process's builds (see the module's
     docstring): forked for one build and kept for the next (`release`), whose lowering then

@@ -279,6 +279,16 @@ class Config:
         engine=True,
         help="a graph build still running after this long stops, and its calls run in PyTorch",
     )
+    background_builds: bool = option(
+        True,
+        env="ORT_AUTOPATCH_BACKGROUND_BUILDS",
+        flag="--foreground-builds",
+        flag_sets=False,
+        kind=Switch(),
+        help="on the plain backend (Linux, CPU), a forked helper process builds and checks each "
+        "new graph while its calls run in PyTorch, so no step waits for a build (the report "
+        "counts those calls); off: the call that needs a graph waits for its build",
+    )
 
     untested_torch: bool = option(
         False,

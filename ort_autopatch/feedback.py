@@ -3,7 +3,7 @@
 At exit (and in `--check`) every allowlist pattern that matched no class gets one warning with
 the closest class names among the modules the process imported ("did you mean
 model:RNNModel?"), and a run in which nothing ran in ONNX Runtime says so, and why, in one line.
-Only reads `sys.modules`: it imports nothing, torch included.
+Only reads `sys.modules`: it imports nothing heavy (torch never).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
+
+from ort_autopatch.engine.errors import BUILDING, WAITING
 
 __all__ = ["imported_classes", "nothing_ran", "suggestions", "unmatched_message"]
 
@@ -117,5 +119,12 @@ def nothing_ran(
     for stats in classes.values():
         for item in stats.get("eager_reasons", ()):
             reasons[item["reason"]] = reasons.get(item["reason"], 0) + int(item["count"])
+    if reasons and set(reasons) <= {BUILDING, WAITING}:
+        return (
+            f"nothing ran in ONNX Runtime yet: the run ended before a helper process had built "
+            f"its graphs ({sum(reasons.values())} calls ran in PyTorch meanwhile); a longer run "
+            "moves to ONNX Runtime once each graph is built, --cache-dir keeps them for the "
+            "next run, and --foreground-builds makes the first call wait for its graph"
+        )
     why = ", ".join(f"{r} ({n})" for r, n in sorted(reasons.items(), key=lambda i: -i[1])[:3])
     return f"nothing ran in ONNX Runtime: every call ran in PyTorch ({why or 'no reason recorded'})"

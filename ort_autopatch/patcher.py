@@ -34,7 +34,7 @@ from ort_autopatch.engine import (
     ModuleEngine,
     is_exporting,
 )
-from ort_autopatch.engine.errors import ExecutionError
+from ort_autopatch.engine.errors import BuildingAside, ExecutionError
 from ort_autopatch.errors import NotPatchableError
 from ort_autopatch.hook import PATCHED_MARKER
 from ort_autopatch.module_hooks import (
@@ -78,10 +78,18 @@ class Settings:
     skip_check: SkipCheck = DEFAULT_SKIP_CHECK
     fallback: Fallback = DEFAULT_FALLBACK
     engine: EngineOptions = field(default_factory=EngineOptions)
+    #: a helper process builds each graph while its calls run in PyTorch (engine/aside.py);
+    #: off unless the configuration says so (`Config.background_builds`, on by default)
+    background_builds: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> Settings:
-        return cls(config.skip_check, config.fallback, EngineOptions(**config.engine_values()))
+        return cls(
+            config.skip_check,
+            config.fallback,
+            EngineOptions(**config.engine_values()),
+            config.background_builds,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,10 @@ def prepare(settings: Settings) -> None:
             return
         _prepared.append(settings.engine.backend)
     try:
-        backend.backend_class(backend.resolve(settings.engine.backend)).prepare(settings.engine)
+        chosen = backend.backend_class(backend.resolve(settings.engine.backend))
+        if settings.background_builds and chosen.builds_aside:
+            return  # its builds run in helper processes, which need nothing of this one's
+        chosen.prepare(settings.engine)
     except Exception as exc:  # pragma: no cover - a backend's preparation is optional
         log.debug("backend preparation failed: %s", exc)
 
@@ -382,7 +393,12 @@ class _Instance:
                 check_devices=not skips(settings.skip_check, SkipCheck.SKIP_CHECK_DEVICE),
                 recompute=torch.is_grad_enabled()
                 and distributed.frees_parameters_after_forward(module),
+                aside=settings.background_builds,
             )
+        except BuildingAside as building:
+            with self.stats.lock:
+                self.stats.eager_calls[str(building)] += 1
+            return in_pytorch()
         except Exception as exc:
             return self._eager_after(exc, module, in_pytorch)
         if type(output) is Replay:  # forward assigns tensors to attributes: do it again

@@ -8,9 +8,14 @@ quick loop (`nox -s tests_fast`, `pytest -m fast`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# Every test's graphs are built by the call that needs them, which then runs in ONNX Runtime
+# (the tests of helper-process builds, tests/test_background_builds.py, turn them on).
+os.environ["ORT_AUTOPATCH_BACKGROUND_BUILDS"] = "0"
 
 pytest.register_assert_rewrite("tests.helpers", "tests.proc_helpers")
 

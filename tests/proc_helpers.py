@@ -35,6 +35,8 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         and k not in ("PYTHONPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE", "PYTHONSAFEPATH")
     }
     env.update(PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE", PYTHONHASHSEED="0")
+    # graphs built by the calls that need them (tests/conftest.py)
+    env["ORT_AUTOPATCH_BACKGROUND_BUILDS"] = "0"
     env.update(extra or {})
     return env
 

@@ -592,6 +592,7 @@ def test_every_flag_reaches_its_field(empty_dir: pathlib.Path) -> None:
         memory_arena=False,
         max_graph_nodes=500,
         max_build_seconds=0,
+        background_builds=False,
     )
     flags: list[str] = []
     for opt in OPTIONS:

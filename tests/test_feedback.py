@@ -71,6 +71,32 @@ def test_nothing_ran_names_the_commonest_eager_reasons() -> None:
     )
 
 
+def test_a_run_that_ended_while_its_graphs_were_built_aside_says_so() -> None:
+    classes = {
+        "m:A": {
+            "instances": 1,
+            "ort_calls": 0,
+            "eager_reasons": [
+                {"reason": "graph building in a helper process", "count": 20},
+                {"reason": "waiting for another graph's build", "count": 10},
+            ],
+        }
+    }
+    said = feedback.nothing_ran(classes, selected=True)
+    assert said is not None
+    assert said.startswith(
+        "nothing ran in ONNX Runtime yet: the run ended before a helper process had built its "
+        "graphs (30 calls ran in PyTorch meanwhile)"
+    )
+    assert "--foreground-builds" in said and "--cache-dir" in said
+    # any other reason among them: the reasons are named as before
+    classes["m:A"]["eager_reasons"].append({"reason": "hooks on submodules", "count": 1})
+    assert feedback.nothing_ran(classes, selected=True) == (
+        "nothing ran in ONNX Runtime: every call ran in PyTorch (graph building in a helper "
+        "process (20), waiting for another graph's build (10), hooks on submodules (1))"
+    )
+
+
 def test_nothing_ran_is_silent_when_one_call_ran_in_ort() -> None:
     classes = {"m:A": {"instances": 1, "ort_calls": 1}, "m:B": {"instances": 1, "ort_calls": 0}}
     assert feedback.nothing_ran(classes, selected=True) is None

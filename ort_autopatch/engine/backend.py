@@ -208,6 +208,9 @@ class Backend(ABC):
     #: eagerly and the two are compared (`verify.verify_entry`) before the graph is trusted;
     #: counted in the report's verifications like `--verify`'s
     verifies_first_call: ClassVar[bool] = False
+    #: a graph may be built by a forked child while its calls run in PyTorch (`aside.py`):
+    #: where builds cost seconds and a process of this backend's holds nothing a fork breaks
+    builds_aside: ClassVar[bool] = False
 
     def __init__(self, module_class: str, options: EngineOptions, forward: Forward) -> None:
         self.module_class = module_class

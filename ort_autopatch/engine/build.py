@@ -21,13 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ort_autopatch.engine import aside, budget, session, verify
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import budget, session, verify
 from ort_autopatch.engine.backend import Backend, RunHooks
 from ort_autopatch.engine.callkey import KeyMaker, Shapes
 from ort_autopatch.engine.entry import Entry
 from ort_autopatch.engine.errors import (
+    BUILDING,
+    WAITING,
     AutocastUnsupportedError,
+    BuildingAside,
+    BuildOverBudget,
     EngineError,
     ExecutionError,
     SessionError,
@@ -75,14 +79,21 @@ class Builder:
         self.verifications: list[verify.Verification] = []
         self.learned = Learned()  # what the last build found (`build`)
         self._arena_shapes: tuple[tuple[int, ...], ...] | None = None  # see `_uses_arena`
+        self._pending: dict[str, aside.Pending] = {}  # store key -> the child building it
 
-    def build(self, miss: Miss, reason: str) -> Entry:
+    def build(self, miss: Miss, reason: str, aside: bool = False) -> Entry:
         """Build the graph of one key, for the shapes `miss.shapes` asks. The export runs
         under the call's autocast state (this thread's), so it traces autocast's casts.
-        What the build learned, failed or not, is `learned` afterwards."""
+        What the build learned, failed or not, is `learned` afterwards. With `aside`, where
+        the backend allows (`Backend.builds_aside`), a child builds it while the call runs in
+        PyTorch (`_aside`: raises `BuildingAside` until the graph is there)."""
         self.learned = Learned()
         try:
             with _outside_saved_tensor_hooks():
+                if aside and self.backend.builds_aside:
+                    entry = self._aside(miss, reason)
+                    if entry is not None:
+                        return entry
                 return self._build(miss, reason)
         except SessionError as exc:
             missing = _MISSING_KERNEL.search(exc.cause)
@@ -102,38 +113,21 @@ class Builder:
             start = time.perf_counter()
             persisted = self._persistent_key(miss)
             if persisted is not None:
-                stored = self._persistence.load(persisted, miss.module)
-                guards = None if stored is None else stored.size_guards
-                if guards is not None and not guards.admits(miss.call.shapes()):
-                    # a graph of these dimensions whose guards exclude this call (a branch
-                    # on a size): built again, and stored in its place
-                    log.debug(
-                        "%s: stored graph's %s", self._cls, guards.first_failure(miss.call.shapes())
+                entry = self._load(persisted, miss, progress)
+                if entry is not None:
+                    guards = entry.recipe.size_guards
+                    self._record(
+                        BuildRecord(
+                            reason,
+                            0.0,
+                            time.perf_counter() - start,
+                            entry.recipe.has_backward,
+                            from_disk=True,
+                            dynamic=guards is not None and guards.is_dynamic,
+                        ),
+                        entry,
                     )
-                    stored = None
-                if stored is not None:
-                    progress.phase = "session"
-                    try:
-                        entry = self._instantiate(stored, miss, progress)
-                    except SessionError as exc:  # a stored graph ONNX Runtime refuses: rebuilt
-                        log.warning(
-                            "ort_autopatch: %s: ignoring a cached graph (%s); rebuilding",
-                            self._cls,
-                            exc.cause,
-                        )
-                    else:
-                        self._record(
-                            BuildRecord(
-                                reason,
-                                0.0,
-                                time.perf_counter() - start,
-                                entry.recipe.has_backward,
-                                from_disk=True,
-                                dynamic=guards is not None and guards.is_dynamic,
-                            ),
-                            entry,
-                        )
-                        return entry
+                    return entry
             known = len(self.backend.hazards)
             try:
                 recipe, export_seconds = self.backend.build(miss, progress)
@@ -172,6 +166,112 @@ class Builder:
             base_key=persisted,
         )
         return entry
+
+    def _load(self, persisted: str, miss: Miss, progress: _Progress) -> Entry | None:
+        """The graph stored under `persisted` made runnable for `miss`, or None: none is
+        stored, its size guards exclude this call, or ONNX Runtime refuses it."""
+        stored = self._persistence.load(persisted, miss.module)
+        guards = None if stored is None else stored.size_guards
+        if guards is not None and not guards.admits(miss.call.shapes()):
+            # a graph of these dimensions whose guards exclude this call (a branch on a
+            # size): built again, and stored in its place
+            log.debug("%s: stored graph's %s", self._cls, guards.first_failure(miss.call.shapes()))
+            stored = None
+        if stored is None:
+            return None
+        progress.phase = "session"
+        try:
+            return self._instantiate(stored, miss, progress)
+        except SessionError as exc:  # a stored graph ONNX Runtime refuses: rebuilt
+            log.warning(
+                "ort_autopatch: %s: ignoring a cached graph (%s); rebuilding", self._cls, exc.cause
+            )
+            return None
+
+    # -- building in a helper process (aside.py) ------------------------------------------
+    def _aside(self, miss: Miss, reason: str) -> Entry | None:
+        """The key's graph as built by a child (`aside.py`): loaded once the child is done;
+        `BuildingAside` while it builds, or waits for another graph's child; None where this
+        process builds it after all (no child may fork here, no key to store it under, or
+        the child stored nothing)."""
+        persistence = self._with_store()
+        static = None if persistence is None else self._persistent_key(miss)
+        if static is None:
+            return None
+        pending = self._pending.get(static)
+        if pending is None:
+            entry = self._load(static, miss, _Progress(self.learned))
+            if entry is not None:  # built aside before (the LRU let it go since)
+                self._record(BuildRecord(reason, 0.0, 0.0, entry.recipe.has_backward, True), entry)
+                return entry
+            why = aside.refusal(miss.device)
+            if why is not None:
+                log.debug("%s: built in this process: %s", self._cls, why)
+                return None
+            pending = aside.start(lambda: self._build_in_child(miss, reason))
+            if pending is None:
+                raise BuildingAside(WAITING)
+            self._pending[static] = pending
+            raise BuildingAside(BUILDING)
+        outcome = pending.poll()
+        if outcome is None:
+            raise BuildingAside(BUILDING)
+        del self._pending[static]
+        self.learned = Learned(outcome.per_shape, outcome.cause)
+        if outcome.over_budget is not None:
+            raise outcome.over_budget
+        entry = None
+        if outcome.stored is not None:
+            entry = self._load(outcome.stored, miss, _Progress(self.learned))
+        if entry is None:
+            log.debug(
+                "%s: built in this process: the helper's build %s",
+                self._cls,
+                outcome.failure or "stored no graph",
+            )
+            return None
+        # what the child told its listener, told here (a build here would tell it itself)
+        for hazard in outcome.hazards:
+            self._listener.found(hazard)
+        for record in outcome.records:
+            record.aside = True
+            self.records.append(record)
+            self._listener.built(record)
+        for verification in outcome.verifications:
+            self.verified(verification)
+        return entry
+
+    def _with_store(self) -> Persistence | None:
+        """This builder's persistence, given the process's private store (`handoff_store`)
+        where the user keeps no persistent cache: a child's graph comes back through it."""
+        if self._persistence.store is None:
+            store = aside.handoff_store()
+            if store is None:
+                return None
+            self._persistence = self._persistence.with_store(store)
+        return self._persistence
+
+    def _build_in_child(self, miss: Miss, reason: str) -> aside.Outcome:
+        """In a build child: the build this process would run, stored; what it told and
+        learned go back in the outcome."""
+        heard = aside.Collected()
+        self._listener = heard
+        # its sessions only check the graph: none of this process's shared arena
+        self.options = dataclasses.replace(self.options, memory_arena=False)
+        outcome = aside.Outcome()
+        try:
+            self.build(miss, reason)
+            shapes = miss.call.shapes() if self.learned.per_shape else None
+            outcome.stored = self._persistent_key(miss, shapes)
+        except BuildOverBudget as exc:
+            outcome.over_budget = exc
+        except Exception as exc:
+            outcome.failure = f"failed ({type(exc).__name__}: {exc})"
+        outcome.records = heard.records
+        outcome.verifications = heard.verifications
+        outcome.hazards = heard.hazards
+        outcome.per_shape, outcome.cause = self.learned.per_shape, self.learned.cause
+        return outcome
 
     def _check_first_call(self, entry: Entry, miss: Miss) -> None:
         """The call that built the graph, through the graph and eagerly (`verify`); raises

@@ -7,6 +7,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from ort_autopatch.engine.errors import BuildingAside
+
 V = TypeVar("V")
 
 
@@ -84,6 +86,8 @@ class GraphCache(Generic[V]):
                 return value_or_failure
             try:
                 value = build()
+            except BuildingAside:  # built elsewhere meanwhile: nothing to remember
+                raise
             except Exception as exc:
                 self._store(key, _Failed(exc))
                 raise

@@ -156,3 +156,14 @@ class UnrepeatableDrawsError(UnsupportedModelError):
 
     reason = "random operators a rerun cannot repeat"
     known_limitation = True
+
+
+#: Why `BuildingAside` ran a call in PyTorch, as the report counts it
+BUILDING = "graph building in a helper process"
+WAITING = "waiting for another graph's build"
+
+
+class BuildingAside(Exception):
+    """Not a failure: the call's graph is being built in a helper process (`aside.py`), so
+    this call runs in PyTorch; the graph cache remembers nothing of it, and a later call of
+    the same key finds the graph built. No `EngineError`: no fallback policy applies."""

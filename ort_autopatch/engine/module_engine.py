@@ -187,6 +187,7 @@ class ModuleEngine:
         trust_last: bool = False,
         check_devices: bool = True,
         recompute: bool = False,
+        aside: bool = False,
     ) -> Any:
         """Run one call.
 
@@ -194,13 +195,15 @@ class ModuleEngine:
         structure, guards or signature (SKIP_CHECK_BUILD_GRADIENT): faster, and stale when the
         module or the inputs changed in a way the graph cannot absorb. `recompute` keeps nothing
         of a training forward and runs it again in backward, for parameters whose memory is
-        freed in between (FSDP2 resharding after forward).
+        freed in between (FSDP2 resharding after forward). With `aside`, a graph the call
+        misses may be built by a helper process (`aside.py`): the call raises `BuildingAside`
+        then, for the caller to run it in PyTorch, until the graph is there.
         """
         module = self._module()
         if module is None:  # pragma: no cover - the caller holds the module
             raise ReferenceError("the module was garbage collected")
         try:
-            return self._run(module, args, kwargs, trust_last, check_devices, recompute)
+            return self._run(module, args, kwargs, trust_last, check_devices, recompute, aside)
         except Specialises as exc:
             # The graph recomputed a value its trace took from sizes and got another one: from
             # now on one graph per input shape (this call included).
@@ -208,7 +211,7 @@ class ModuleEngine:
             with self._lock:
                 self._shapes.specialises()
                 self._keys.note(f"sizes change a traced value ({exc.where})")
-            return self._run(module, args, kwargs, False, check_devices, recompute)
+            return self._run(module, args, kwargs, False, check_devices, recompute, aside)
 
     def _run(
         self,
@@ -218,6 +221,7 @@ class ModuleEngine:
         trust_last: bool,
         check_devices: bool,
         recompute: bool,
+        aside: bool,
     ) -> Any:
         self._calls += 1  # not atomic; it only weighs builds against calls
         call = signature.flatten_call(self._cls, args, kwargs, check_devices)
@@ -258,7 +262,9 @@ class ModuleEngine:
             )
         checked = len(self.verifications)
         try:
-            key, entry = self._entry(module, state, call, mode, grad, requires, hot, autocast)
+            key, entry = self._entry(
+                module, state, call, mode, grad, requires, hot, autocast, aside
+            )
         except EngineError as exc:
             if hot is None or self._shapes.per_shape:
                 raise
@@ -273,7 +279,9 @@ class ModuleEngine:
             # there: the dynamic graph serves these shapes.
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
             self._shapes.hot.refuse(mode, hot)
-            key, entry = self._entry(module, state, call, mode, grad, requires, None, autocast)
+            key, entry = self._entry(
+                module, state, call, mode, grad, requires, None, autocast, aside
+            )
         if len(self.verifications) > checked:
             # the build compared this very call with eager (`Backend.verifies_first_call`):
             # one of the key's --verify calls, not run twice
@@ -295,6 +303,7 @@ class ModuleEngine:
         requires: list[bool],
         hot: Shapes | None,
         autocast: amp.State,
+        aside: bool,
     ) -> tuple[CallKey, Entry]:
         """The call's key and its graph, built on a miss (explained against the last key
         used in `mode`)."""
@@ -319,7 +328,7 @@ class ModuleEngine:
                 entry = self._cache.get_or_build(
                     key,
                     lambda: self._build(
-                        module, state, call, grad, reason, hot, autocast, base, requires
+                        module, state, call, grad, reason, hot, autocast, base, requires, aside
                     ),
                 )
             except BuildOverBudget as exc:
@@ -378,6 +387,7 @@ class ModuleEngine:
         autocast: amp.State,
         base: CallKey,
         requires: list[bool],
+        aside: bool,
     ) -> Entry:
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
@@ -401,7 +411,7 @@ class ModuleEngine:
             request.dynamic,
         )
         try:
-            entry = self._builder.build(miss, reason)
+            entry = self._builder.build(miss, reason, aside)
         finally:
             # what the build learned holds even when it failed: the model specialises on sizes
             # (the key without sizes again: the build may have taught the guards attributes)

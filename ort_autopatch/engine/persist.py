@@ -296,6 +296,10 @@ class Persistence:
         self.opset = opset
         self.guards = guards
 
+    def with_store(self, store: GraphStore) -> Persistence:
+        """The same, storing in `store`."""
+        return Persistence(self.cls, self.backend, store, self.save_to, self.opset, self.guards)
+
     @property
     def enabled(self) -> bool:
         """Whether a build needs its on-disk key (to load, store or name saved graphs)."""

@@ -64,6 +64,7 @@ class BuildRecord:
     per_shape: bool = False  # keyed by its input shapes (the model specialises on sizes)
     hot_shape: bool = False  # a static-shape graph for an input shape that kept coming back
     dynamic: bool = False  # traced with symbolic sizes: serves every size its guards admit
+    aside: bool = False  # built by a helper process while its calls ran in PyTorch (aside.py)
 
 
 class Payload(Protocol):

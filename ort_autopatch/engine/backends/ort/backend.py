@@ -108,6 +108,9 @@ class OrtBackend(Backend):
     ignores: ClassVar[tuple[str, ...]] = ("opset", "torch_ops", "no_torch_ops", "compile_executor")
     #: a graph's numbers are trusted once its first call matched eager's (`verify`)
     verifies_first_call: ClassVar[bool] = True
+    #: its builds (an aot_autograd trace, the exporter's lowering) cost seconds a short run
+    #: would wait for: a child builds them while the calls run in PyTorch
+    builds_aside: ClassVar[bool] = True
 
     @classmethod
     def prepare(cls, options: EngineOptions) -> None:

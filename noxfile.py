@@ -284,6 +284,10 @@ def demo(session: nox.Session) -> None:
         "__main__:Net",
         "--report",
         "-",
+        # its 30 short steps end before a helper process would have built the graph (the
+        # default for a real run): the demo's first call waits for it, and every call shows
+        # in ONNX Runtime
+        "--foreground-builds",
         "examples/train_mlp.py",
         *session.posargs,
     )

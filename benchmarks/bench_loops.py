@@ -22,7 +22,7 @@ Runtime but those that ran in PyTorch while their graph was built aside (`BUILDI
 foreground builds). The share of calls in ORT is reported per loop.
 
 Results: benchmarks/results/loops.json (`--backend ort`: loops_ort.json; foreground builds:
-loops_ort_foreground.json).
+loops_ort_foreground.json; other than 30 steps: loops_ort_300steps.json, say).
 """
 
 from __future__ import annotations
@@ -192,6 +192,8 @@ def main() -> None:
     output = RESULTS
     if args.backend == "ort":
         output = RESULTS.with_name("loops_ort.json" if background else "loops_ort_foreground.json")
+    if args.steps != 30:  # beside the 30-step runs, not over them
+        output = output.with_name(f"{output.stem}_{args.steps}steps.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")
     for name, found in loops.items():

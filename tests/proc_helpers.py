@@ -21,6 +21,11 @@ ORT_LOG_LINE = re.compile(r"^.*\[[VIWEF]:onnxruntime:.*$", re.M)
 PROGRESS_LINE = re.compile(r"^\[ort_autopatch\] WARNING .*: still building its .*\n?", re.M)
 
 
+#: Graphs built by the calls that need them, which then run in ONNX Runtime (tests/conftest.py):
+#: every environment a test makes from scratch takes it
+FOREGROUND_BUILDS = {"ORT_AUTOPATCH_BACKGROUND_BUILDS": "0"}
+
+
 def without_progress(stderr: str) -> str:
     """A run's stderr without the tool's progress lines."""
     return PROGRESS_LINE.sub("", stderr)
@@ -35,8 +40,7 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         and k not in ("PYTHONPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE", "PYTHONSAFEPATH")
     }
     env.update(PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE", PYTHONHASHSEED="0")
-    # graphs built by the calls that need them (tests/conftest.py)
-    env["ORT_AUTOPATCH_BACKGROUND_BUILDS"] = "0"
+    env.update(FOREGROUND_BUILDS)
     env.update(extra or {})
     return env
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc_helpers import FOREGROUND_BUILDS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MODELS = """
@@ -55,6 +57,7 @@ def _launch(
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": f"{ROOT}:{tmp_path}",
         "ORT_AUTOPATCH_MODULES": modules,
+        **FOREGROUND_BUILDS,
         **env,
     }
     return subprocess.run(

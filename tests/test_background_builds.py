@@ -84,6 +84,16 @@ SCRIPT = textwrap.dedent(
     for step in range(STEPS):
         if step == 1 and os.environ.get("SWITCH_SHAPE"):
             x = torch.randn(4, 16)  # the first shape's graph, built aside, is never used
+        if step == 1 and os.environ.get("FORK_WORKER"):
+            worker = os.fork()  # a data loader's worker, say, that calls the model too
+            if worker == 0:
+                torch.set_num_threads(1)  # as a data loader's workers do: OpenMP and fork
+                end = time.monotonic() + 4
+                while time.monotonic() < end:
+                    net(x)
+                    time.sleep(0.02)
+                os._exit(0)
+            os.waitpid(worker, 0)
         before = {n: ort_calls("__main__:" + n) for n in ("Net", "Head")}
         out = net(x)
         if two:
@@ -274,3 +284,13 @@ def test_a_helper_whose_graph_no_call_asks_for_again_ends_with_the_run(tmp_path:
     _assert_eager_numbers(steps)
     assert steps[0]["where"] == {"Net": "eager"} and steps[-1]["where"] == {"Net": "ort"}
     assert classes["__main__:Net"]["exports"] == 1
+
+
+@pytest.mark.skipif(not plain_backend(), reason="the plain backend builds aside")
+def test_a_forked_worker_leaves_the_parents_helper_alone(tmp_path: Path) -> None:
+    """A process forked while a helper builds inherits the engine, not the helper: its calls
+    neither read the helper's answer nor end it, and the parent loads the graph it built."""
+    steps, _, stderr = _train(tmp_path, FORK_WORKER="1", ORT_AUTOPATCH_LOG_LEVEL="DEBUG")
+    _assert_eager_numbers(steps)
+    assert steps[0]["where"] == {"Net": "eager"} and steps[-1]["where"] == {"Net": "ort"}
+    assert "built in this process" not in stderr, stderr[-3000:]

@@ -18,6 +18,7 @@ from torch import nn
 from ort_autopatch.engine import EngineOptions, ModuleEngine, persist
 from ort_autopatch.engine.store import GraphStore
 from tests.helpers import plain_backend
+from tests.proc_helpers import FOREGROUND_BUILDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -352,7 +353,7 @@ print(engine.records[0].from_disk, round(float(out.sum()), 5))
 
 
 def _run(script: Path, cache: Path) -> str:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **FOREGROUND_BUILDS}
     result = subprocess.run(
         [sys.executable, str(script), str(cache)],
         capture_output=True,
@@ -487,7 +488,7 @@ def test_two_processes_writing_at_once_leave_a_loadable_entry(tmp_path: Path) ->
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     cache = tmp_path / "cache"
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **FOREGROUND_BUILDS}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(cache)],

@@ -21,6 +21,7 @@ from ort_autopatch import patcher, report
 from ort_autopatch.engine import EngineError, EngineOptions, UnsupportedInputError
 from ort_autopatch.policy import Fallback, SkipCheck
 from tests.helpers import patched, plain_backend, repatch
+from tests.proc_helpers import FOREGROUND_BUILDS
 
 
 class UserDefinedMethodsNet(nn.Module):
@@ -399,7 +400,7 @@ def _run(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[s
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(code))
     root = Path(__file__).resolve().parent.parent
-    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), **env}
+    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), **FOREGROUND_BUILDS, **env}
     return subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=environ
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.proc_helpers import without_progress
+from tests.proc_helpers import FOREGROUND_BUILDS, without_progress
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def _launch(
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **FOREGROUND_BUILDS}
     if cache is not None:
         env["ORT_AUTOPATCH_CACHE_DIR"] = str(cache)
     return subprocess.run(

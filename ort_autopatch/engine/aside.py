@@ -70,7 +70,7 @@ class Outcome:
     per_shape: bool = False
     cause: str = ""
     over_budget: BuildOverBudget | None = None  # refused for good, as it would be here
-    failure: str = ""  # any other failure, for the debug log: the key is built here
+    failure: str = ""  # what else went wrong, for the debug log ("the helper ..."): built here
 
 
 class Collected:
@@ -97,6 +97,12 @@ class Pending:
     def __init__(self, child: sandbox.Child) -> None:
         self._child: sandbox.Child | None = child
         self._started = time.monotonic()
+        self._owner = os.getpid()
+
+    def ours(self) -> bool:
+        """Whether this process forked the child (a data loader's worker forked from it
+        inherits the object, not the child: its answer and its end are the parent's)."""
+        return os.getpid() == self._owner
 
     def finished(self) -> bool:
         """Whether the child has answered (or is gone): it needs no core any more."""
@@ -106,18 +112,18 @@ class Pending:
         """The child's outcome once it has one (a failed child's says so), else None."""
         child = self._child
         if child is None:
-            return Outcome(failure="given up")
+            return Outcome(failure="was given up")
         try:
             outcome = child.receive(0.0)
         except TimeoutError:
             if time.monotonic() - self._started < TIMEOUT_SECONDS:
                 return None
-            outcome = Outcome(failure=f"no answer in {TIMEOUT_SECONDS:.0f} s")
+            outcome = Outcome(failure=f"gave no answer in {TIMEOUT_SECONDS:.0f} s")
         except (sandbox.ChildError, EOFError, OSError) as exc:
-            outcome = Outcome(failure=f"the child failed: {exc}")
+            outcome = Outcome(failure=f"died ({exc})")
         self.close()
         if not isinstance(outcome, Outcome):
-            outcome = Outcome(failure=f"the child answered {type(outcome).__name__}")
+            outcome = Outcome(failure=f"answered {type(outcome).__name__}")
         return outcome
 
     def close(self, reap: bool = True) -> None:
@@ -125,7 +131,7 @@ class Pending:
         thread to reap it (a finalizer's close, which may run while the interpreter exits and
         a thread's start would wait forever): the process's own end reaps it."""
         child, self._child = self._child, None
-        if child is not None:
+        if child is not None and self.ours():
             child.close(reap)
         with _slot_lock:
             if _slot and _slot[0] is self:

@@ -199,6 +199,9 @@ class Builder:
         if static is None:
             return None
         pending = self._pending.get(static)
+        if pending is not None and not pending.ours():  # inherited by a forked process
+            del self._pending[static]
+            pending = None
         if pending is None:
             entry = self._load(static, miss, _Progress(self.learned))
             if entry is not None:  # built aside before (the LRU let it go since)
@@ -225,9 +228,9 @@ class Builder:
             entry = self._load(outcome.stored, miss, _Progress(self.learned))
         if entry is None:
             log.debug(
-                "%s: built in this process: the helper's build %s",
+                "%s: built in this process: the helper %s",
                 self._cls,
-                outcome.failure or "stored no graph",
+                outcome.failure or "stored no graph it could load",
             )
             return None
         # what the child told its listener, told here (a build here would tell it itself)

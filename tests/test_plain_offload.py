@@ -439,7 +439,7 @@ def test_the_import_hook_forks_the_child_before_the_first_build(
     class AlsoFound(Conv):
         pass
 
-    config = Config(backend="ort")
+    config = Config(backend="ort", background_builds=False)
     try:
         ort_autopatch._patch_found_class(config, Found)
         ort_autopatch._patch_found_class(config, AlsoFound)

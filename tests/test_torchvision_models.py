@@ -109,7 +109,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
 def _selected() -> Iterator[None]:
     """Every class of torchvision.models patched, as the wildcard selects them."""
     threads = torch.get_num_threads()
-    config = Config(modules=("torchvision.models.*:*",))
+    config = Config(modules=("torchvision.models.*:*",), background_builds=False)
     assert ort_autopatch.install(config)
     try:
         yield

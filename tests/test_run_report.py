@@ -172,7 +172,7 @@ def test_a_wildcard_over_a_package_warns_of_nothing_and_lists_the_classes_called
         capture_output=True,
         text=True,
         timeout=180,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}"},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}", **FOREGROUND_BUILDS},
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -203,7 +203,7 @@ def test_clear_cache_empties_the_folder(cold_run: Run, tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **FOREGROUND_BUILDS},
     )
     assert result.returncode == 0 and "removed 1" in result.stdout
     assert not any(cache.iterdir())
@@ -215,7 +215,7 @@ def test_clear_cache_without_a_folder_says_how_to_name_one(tmp_path: Path) -> No
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **FOREGROUND_BUILDS},
     )
     assert result.returncode == 2
     assert "--cache-dir" in result.stderr and "ORT_AUTOPATCH_CACHE_DIR" in result.stderr
@@ -266,7 +266,7 @@ def test_the_report_is_written_with_transformers_accelerate_and_lightning_import
         capture_output=True,
         text=True,
         timeout=180,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **FOREGROUND_BUILDS},
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr

@@ -126,10 +126,15 @@ def _weight_gradient(
     batch, channels = source.shape[0], source.shape[1]
     out_channels = target.shape[1]
     outer = list(target.shape[2:])
-    pads: list[int] = []
+    # Channels last: every patch is then a slice of whole channel rows (ORT copies those as
+    # blocks; strided slices of NCHW's last axis it copied element by element, and stacking
+    # (B, C, 1, ...) pieces moved blocks of a few floats: slices, stack and pad took 2 to 4
+    # times the product's time on a DCGAN's layers).
+    last = aten.permute(source, [0, *range(2, dims + 2), 1])
+    pads: list[int] = [0, 0]
     for d in reversed(range(dims)):
         pads += [padding[d], padding[d]]
-    padded = aten.constant_pad_nd(source, pads, 0.0) if any(padding) else source
+    padded = aten.constant_pad_nd(last, pads, 0.0) if any(padding) else last
     # slices by leading kernel offsets, each taken once (a 3x3 kernel: 3 + 9 slices, not 18)
     sliced: dict[tuple[int, ...], torch.Tensor] = {(): padded}
     for offsets in itertools.product(*(range(k) for k in kernel)):
@@ -137,25 +142,31 @@ def _weight_gradient(
             if offsets[: d + 1] not in sliced:
                 start = offsets[d] * dilation[d]
                 end = start + (outer[d] - 1) * stride[d] + 1
-                sliced[offsets[: d + 1]] = aten.slice(
-                    sliced[offsets[:d]], 2 + d, start, end, stride[d]
-                )
+                whole = sliced[offsets[:d]]
+                size = whole.shape[1 + d]
+                if start == 0 and type(end) is int and type(size) is int and end == size:
+                    sliced[offsets[: d + 1]] = whole  # the window spans the whole dimension
+                else:
+                    sliced[offsets[: d + 1]] = aten.slice(whole, 1 + d, start, end, stride[d])
     patches = [sliced[o] for o in itertools.product(*(range(k) for k in kernel))]
     positions = math.prod(outer)
     count = len(patches)
-    # One product per group contracts batch and positions together: (groups, out / groups,
-    # batch * positions) by (groups, batch * positions, in / groups * kernel positions), in
-    # the weight's order. A product per image summed over the batch afterwards made a
-    # (batch, out, in * kernel) intermediate, 32 MB for a DCGAN's 128-to-256 4x4 layer at
-    # batch 16, whose sum was most of the backward graph's time; the two transposes here
-    # copy only the patches and the output gradient. The last transpose ORT folds into the
-    # product.
-    cols = torch.stack(patches, 2).reshape(batch, groups, channels // groups * count, positions)
-    cols = cols.permute(1, 2, 0, 3).reshape(groups, channels // groups * count, batch * positions)
+    per_group = channels // groups
+    # (batch * positions, kernel positions * channels): one product per group contracts batch
+    # and positions together, (groups, out / groups, batch * positions) by (groups, batch *
+    # positions, kernel positions * in / groups); a per-image product summed afterwards made a
+    # (batch, out, in * kernel) intermediate (32 MB for a 128-to-256 4x4 layer at batch 16).
+    cols = torch.cat(patches, -1) if count > 1 else patches[0]
+    if groups == 1:
+        cols = cols.reshape(1, batch * positions, count * channels)
+    else:
+        cols = cols.reshape(batch * positions, count, groups, per_group)
+        cols = cols.permute(2, 0, 1, 3).reshape(groups, batch * positions, count * per_group)
     rows = target.reshape(batch, groups, out_channels // groups, positions)
     rows = rows.permute(1, 2, 0, 3).reshape(groups, out_channels // groups, batch * positions)
-    grad = aten.bmm(rows, cols.transpose(1, 2))
-    return grad.reshape(out_channels, channels // groups, *kernel)
+    grad = aten.bmm(rows, cols)  # (groups, out / groups, kernel positions * in / groups)
+    grad = grad.reshape(out_channels, *kernel, per_group)
+    return grad.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
 
 
 def _window_sums(

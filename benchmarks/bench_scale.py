@@ -283,11 +283,14 @@ def _patched_call(model: nn.Module) -> Callable[[Batch], Any]:
 
 def _patch(cls: type, backend: str) -> bool:
     """Patch `cls` as a user's allowlist would, with `backend` in the configuration the
-    environment and pyproject.toml give (other ORT_AUTOPATCH_* options apply)."""
+    environment and pyproject.toml give (other ORT_AUTOPATCH_* options apply). Builds run in
+    the calls that need them (`--foreground-builds`): the first call is the build, and every
+    timed step runs in ORT."""
     import ort_autopatch
     from ort_autopatch.config import load_config
 
-    return ort_autopatch.patch(cls, load_config(cli={"backend": backend}))
+    cli = {"backend": backend, "background_builds": False}
+    return ort_autopatch.patch(cls, load_config(cli=cli))
 
 
 def _step(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -267,6 +268,16 @@ def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(offload, "_quota_cores", lambda: None)
     monkeypatch.setattr(offload, "WINDOW_SECONDS", 0.0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    # this process's own CPU over the window is none, so the CPUs' ticks alone decide (the
+    # real one counted ORT's spinning threads of an earlier test: the busy machine looked free)
+    wall = iter(range(10**6))
+    monkeypatch.setattr(
+        offload,
+        "time",
+        SimpleNamespace(
+            perf_counter=lambda: next(wall) * 0.05, process_time=lambda: 0.0, sleep=lambda s: None
+        ),
+    )
     clock = iter(range(10**6))
 
     def ticks(busy: float) -> object:

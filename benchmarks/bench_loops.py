@@ -45,9 +45,11 @@ NAMES = ("lstm_lm", "dcgan", "char_transformer")
 #: losses through the tool against eager's, relative: the first `EARLY` equal to float
 #: rounding of other kernels; later ones within `LATE` (training carries the rounding
 #: forward, and a GAN's two players amplify it: its losses drift apart by a few percent
-#: after 20 steps with every call in ORT)
+#: after 20 steps with every call in ORT; the LSTM's SGD at lr 20 grows a gap of float
+#: rounding 2-5x a step: the training build's gradients agree with eager's to 8e-7 at step 0,
+#: 4e-4 at step 11, and its losses end up to 3 % apart)
 EARLY, EARLY_RTOL = 10, 2e-3
-LATE = {"dcgan": 0.25}
+LATE = {"dcgan": 0.25, "lstm_lm": 5e-2}
 LATE_RTOL = 2e-2
 #: why a call may run in PyTorch with background builds: its graph is being built aside
 BUILDING = ("graph building in a helper process", "waiting for another graph's build")

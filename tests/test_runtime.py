@@ -77,6 +77,33 @@ def test_the_installed_build_is_reported_available() -> None:
     assert registry.version("ort-training") == "1.19.2"
 
 
+def test_package_metadata_is_read_once_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call computes a store key while its graph builds aside, and the key names ONNX
+    Runtime's version: a metadata read each time cost 1.25 ms a call."""
+    from importlib import metadata
+
+    reads: list[str] = []
+    real = metadata.version
+
+    def counted(name: str) -> str:
+        reads.append(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", counted)
+    runtime._read_distributions.cache_clear()
+    try:
+        first = runtime.installed_distributions()
+        assert reads
+        read = len(reads)
+        assert runtime.version() == next(iter(first.values()))
+        assert runtime.installed_distributions() == first
+        assert len(reads) == read
+        runtime.installed_distributions()["onnxruntime"] = "a caller's change"
+        assert runtime.installed_distributions() == first
+    finally:
+        runtime._read_distributions.cache_clear()
+
+
 def _installed(monkeypatch: pytest.MonkeyPatch, found: dict[str, str], onnxscript: bool) -> None:
     import importlib.util
 

@@ -291,8 +291,9 @@ def count_run(run: Callable[[], object]) -> None:
 
 @contextlib.contextmanager
 def enforced_fx() -> Iterator[None]:
-    """The limits inside the plain backend's trace (`plain.capture`), for one trace: a torch
-    function mode, this thread's own, so other threads' traces pass straight through."""
+    """The limits inside the plain backend's trace (`backends/ort/capture.py`), for one
+    trace: a torch function mode, this thread's own, so other threads' traces pass straight
+    through."""
     budget: _Budget | None = getattr(_state, "budget", None)
     if budget is None:
         yield

@@ -219,7 +219,7 @@ class OrtBackend(Backend):
 
     def _exact(self, miss: Miss, progress: Progress) -> tuple[Any, Any, SizeGuards]:
         """The call traced for its shapes and lowered. A child forked first imports the
-        exporter and lowers the graphs (`plain.offload`) while this process imports
+        exporter and lowers the graphs (`offload`) while this process imports
         aot_autograd and traces, from the operators torchlib is expected to translate; once
         the child has named them, a trace made (or failed) from another table is made again.
         Without a child (no fork, the exporter imported here already, a graph the child
@@ -270,7 +270,7 @@ class OrtBackend(Backend):
         return captured, lowered.lower(captured, cls, graphs), SizeGuards(call.shapes())
 
     def _trace(self, miss: Miss, progress: Progress, table: dict[Any, Any]) -> Any:
-        """`plain.capture` of the call for its shapes; forward reading tensor data is refused
+        """`capture.capture` of the call for its shapes; forward reading tensor data is refused
         as data-dependent (`_data_dependent`)."""
         from ort_autopatch.engine.backends.ort import capture
 

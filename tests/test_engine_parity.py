@@ -7,6 +7,7 @@ from ONNX Runtime's generator, is checked by its statistics, reproducibility and
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -447,6 +448,83 @@ def test_lstm_parity() -> None:
         expect_builds=2,  # two sequence lengths
     )
     assert run.engine.records and all(r.has_backward for r in run.engine.records)
+
+
+class LSTMSequenceModel(nn.Module):
+    """An LSTM over a batch of sequences, from given states or zeros, and a head on its
+    outputs; the final states are outputs too, as a language model carries them on."""
+
+    def __init__(self, **lstm: Any) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 10, **lstm)
+        directions = 2 if lstm.get("bidirectional") else 1
+        self.head = nn.Linear((lstm.get("proj_size") or 10) * directions, 3)
+
+    def forward(
+        self, x: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, (h, c) = self.lstm(x, states)
+        return self.head(out), h, c
+
+
+@pytest.mark.parametrize(
+    ("states", "lstm"),
+    [
+        ("zeros", {"num_layers": 1}),
+        ("given", {"num_layers": 2, "batch_first": True}),
+        ("zeros", {"num_layers": 3, "bidirectional": True, "batch_first": True}),
+        ("learned", {"num_layers": 2, "bidirectional": True}),
+        ("given", {"num_layers": 2, "proj_size": 4, "batch_first": True}),
+        ("learned", {"num_layers": 1, "proj_size": 4}),
+    ],
+    ids=[
+        "one-layer",
+        "two-layers-given-states",
+        "three-bidirectional",
+        "bidirectional-states-with-gradients",
+        "projected",
+        "projected-states-with-gradients",
+    ],
+)
+def test_lstm_variants_train_and_evaluate_like_eager(states: str, lstm: dict[str, Any]) -> None:
+    """Every LSTM layout torch offers, its states zeros, given (a language model's carried
+    states) or learned (their gradients compared too), over batch sizes that change; then an
+    evaluation call. The training build runs the LSTM as one torch-calling node (ORT's LSTM and
+    LSTMGrad took 1.6x eager's step and refuse a bidirectional LSTM); the plain backend as one
+    Scan per layer and direction, in ONNX."""
+    torch.manual_seed(16)
+    layers = lstm["num_layers"] * (2 if lstm.get("bidirectional") else 1)
+    batches = (3, 5, 2, 4)
+
+    def inputs(step: int) -> tuple[tuple[Any, ...], dict]:
+        batch, gen = batches[step % 4], _gen(step)
+        shape = (batch, 5, 6) if lstm.get("batch_first") else (5, batch, 6)
+        x = torch.randn(*shape, generator=gen)
+        if states == "zeros":
+            return (x,), {}
+        h0 = torch.randn(layers, batch, lstm.get("proj_size") or 10, generator=gen)
+        c0 = torch.randn(layers, batch, 10, generator=gen)
+        if states == "learned":
+            h0.requires_grad_(True)
+            c0.requires_grad_(True)
+        return (x, (h0, c0)), {}
+
+    run = assert_training_parity(
+        LSTMSequenceModel(**lstm),
+        inputs,
+        loss_fn=lambda out: sum(t.square().mean() for t in out),
+        steps=4,
+    )
+    nodes: dict[str, int] = {}
+    for record in run.engine.records:
+        nodes.update(record.torch_nodes)
+    assert nodes == ({} if backend.resolve() == "ort" else {"aten::lstm": 1})
+    run.eager_model.eval()
+    run.engine_model.eval()
+    args, _ = inputs(5)
+    with torch.no_grad():
+        for got, want in zip(run.engine(*args), run.eager_model(*args), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ort_autopatch.engine import (
 from ort_autopatch.engine.backends.ort_training import agent
 from ort_autopatch.engine.backends.ort_training.torch_in_graph import nodes
 from tests.helpers import assert_training_parity, plain_backend
+from tests.test_engine_parity import LSTMSequenceModel
 
 pytest.importorskip("onnxruntime")
 pytestmark = [
@@ -856,69 +857,9 @@ def test_two_layer_lstm_with_dropout_in_training() -> None:
     assert not torch.allclose(engine(x), no_dropout(x))
 
 
-class LSTMSequenceModel(nn.Module):
-    """An LSTM over a batch of sequences, from given states or zeros, and a head on its
-    outputs; the final states are outputs too, as a language model carries them on."""
-
-    def __init__(self, **lstm: Any) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(6, 10, **lstm)
-        directions = 2 if lstm.get("bidirectional") else 1
-        self.head = nn.Linear((lstm.get("proj_size") or 10) * directions, 3)
-
-    def forward(
-        self, x: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, (h, c) = self.lstm(x, states)
-        return self.head(out), h, c
-
-
-@pytest.mark.parametrize(
-    ("given_states", "lstm"),
-    [
-        (False, {"num_layers": 1}),
-        (True, {"num_layers": 2, "batch_first": True}),
-        (False, {"num_layers": 3, "bidirectional": True, "batch_first": True}),
-        (True, {"num_layers": 2, "bidirectional": True}),
-        (True, {"num_layers": 2, "proj_size": 4, "batch_first": True}),
-    ],
-    ids=[
-        "one-layer",
-        "two-layers-given-states",
-        "three-bidirectional",
-        "bidirectional-states",
-        "projected",
-    ],
-)
-def test_lstm_runs_torchs_kernel_in_the_graph_with_eager_gradients(
-    given_states: bool, lstm: dict[str, Any]
-) -> None:
-    """On CPU an LSTM layer is a torch-calling node (`routing.default_routes`): ORT's LSTM and
-    LSTMGrad kernels took 1.6x eager's step, and refuse a bidirectional LSTM."""
-    torch.manual_seed(16)
-    layers = lstm["num_layers"] * (2 if lstm.get("bidirectional") else 1)
-
-    def inputs(step: int) -> tuple[tuple[Any, ...], dict]:
-        batch, gen = _batch(step), _gen(step)
-        shape = (batch, 5, 6) if lstm.get("batch_first") else (5, batch, 6)
-        x = torch.randn(*shape, generator=gen)
-        if not given_states:
-            return (x,), {}
-        h0 = torch.randn(layers, batch, lstm.get("proj_size") or 10, generator=gen)
-        return (x, (h0, torch.randn(layers, batch, 10, generator=gen))), {}
-
-    run = assert_training_parity(
-        LSTMSequenceModel(**lstm),
-        inputs,
-        loss_fn=lambda out: sum(t.square().mean() for t in out),
-        steps=STEPS,
-        rtol=RTOL,
-        atol=ATOL,
-    )
-    assert _torch_nodes(run.engine) == {"aten::lstm": 1}
-
-
 def test_an_lstm_kept_in_onnx_where_it_is_denied() -> None:
+    """On CPU an LSTM is a torch-calling node by default (`routing.default_routes`; its
+    variants: tests/test_engine_parity.py); denied, ORT's own LSTM and LSTMGrad run it."""
     torch.manual_seed(17)
     run = assert_training_parity(
         LSTMSequenceModel(num_layers=2, batch_first=True),

@@ -6,6 +6,7 @@ Pure torch: each decomposition is called on real tensors beside the operator it 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -563,3 +564,28 @@ def test_flash_attention_for_cpu_with_grouped_key_heads_equals_atens(
     for name, a, e in zip("qkv", got, expected, strict=True):
         assert a.shape == e.shape
         torch.testing.assert_close(a, e, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("translated", ["none", "every other", "all"])
+def test_the_tables_base_is_the_exporters_choice(translated: str) -> None:
+    """The table's base is what the exporter's `create_onnx_friendly_decomposition_table`
+    gives for the same translated operators (read from torch's tables once a process rather
+    than on each call): the same operators, each with the same decomposition."""
+    from torch.onnx._internal.exporter import _decomp
+
+    every = sorted(decompositions.decomposable(), key=str)
+    chosen = {"none": [], "every other": every[::2], "all": every}[translated]
+    ours = decompositions._exporter_table(frozenset(chosen))
+    theirs = _decomp.create_onnx_friendly_decomposition_table(set(chosen))
+    assert list(ours) == list(theirs)
+    assert [_function(f) for f in ours.values()] == [_function(f) for f in theirs.values()]
+    assert translated == "all" or len(ours) > 500
+
+
+def _function(decomposition: object) -> object:
+    """A decomposition as what it runs: a composite operator's is a partial of a closure,
+    both made anew each time torch's default table is read."""
+    if isinstance(decomposition, functools.partial):
+        function = decomposition.func
+        return function.__qualname__, decomposition.args, decomposition.keywords
+    return decomposition

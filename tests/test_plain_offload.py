@@ -256,6 +256,100 @@ def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
         assert len(answers) == 1
 
 
+class Unrolled(nn.Module):
+    """An LSTMCell over every time step (pytorch/examples' time_sequence_prediction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(1, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = c = torch.zeros(x.shape[0], 8)
+        outputs = []
+        for x_t in x.split(1, dim=1):
+            h, c = self.cell(x_t, (h, c))
+            outputs.append(self.head(h))
+        return torch.cat(outputs, dim=1)
+
+
+def _counted_where(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Callable[[], list[int]]:
+    """Every build forks a child; the processes that made a count run, by pid."""
+    import os
+
+    from ort_autopatch.engine import budget
+    from ort_autopatch.engine.backends.ort import offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_core_to_spare", lambda probe=None: True)
+    log = tmp_path / "counted"
+    log.write_text("")
+    count_run = budget.count_run
+
+    def noted(run: Callable[[], object]) -> None:
+        with log.open("a") as out:
+            out.write(f"{os.getpid()}\n")
+        count_run(run)
+
+    monkeypatch.setattr(budget, "count_run", noted)
+    return lambda: [int(line) for line in log.read_text().split()]
+
+
+def test_the_child_makes_the_count_run_while_this_process_traces(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The build's count run (forward on the call's tensors, counting its operators against
+    the node limit) is made by the child, on the other core, before its imports: this
+    process only traces. The graph is eager's, forward and backward."""
+    import os
+
+    counted = _counted_where(monkeypatch, tmp_path)
+    _first_call(monkeypatch, tmp_path)
+    pids = counted()
+    assert len(pids) == 1 and pids[0] != os.getpid(), pids
+
+
+def test_a_forward_past_the_node_limit_counted_by_the_child_stops_the_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """An LSTMCell unrolled over 2000 steps is refused as the count run in this process
+    refuses it (the same cause and remedy), while the trace has barely begun; the class runs
+    in PyTorch with eager's numbers."""
+    import os
+    import time
+
+    from ort_autopatch.engine.errors import BuildOverBudget
+
+    counted = _counted_where(monkeypatch, tmp_path)
+    torch.manual_seed(0)
+    model = Unrolled()
+    x = torch.randn(2, 2000)
+    options = EngineOptions(backend="ort", threads=1, cache_dir=tmp_path, max_graph_nodes=3000)
+    engine = ModuleEngine(model, options)
+    start = time.perf_counter()
+    with pytest.raises(BuildOverBudget, match="counted as forward ran on the call's tensors"):
+        engine(x)
+    assert time.perf_counter() - start < 20
+    pids = counted()
+    assert len(pids) == 1 and pids[0] != os.getpid(), pids
+
+
+def test_a_child_that_dies_before_its_count_leaves_the_limit_to_the_trace(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A child gone before its verdict: the trace's own node checks hold the limit, and a
+    graph under it is built here, with eager's numbers."""
+    import os
+
+    from ort_autopatch.engine.backends.ort import offload
+
+    def dies(count: Any) -> Any:
+        os._exit(3)
+
+    monkeypatch.setattr(offload, "_count", dies)  # runs in the child only
+    assert _first_call(monkeypatch, tmp_path) == [None]
+
+
 def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """No child where no core is free now: its extra CPU would slow both processes down. What
     decides is the CPUs' idle time over a short window (/proc/stat), less this process's own
@@ -393,8 +487,8 @@ def test_a_later_build_reuses_the_child_and_a_quiet_one_is_closed(
     spawned: list[offload.Lowerer] = []
     spawn = offload.Lowerer.spawn.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[offload.Lowerer]) -> offload.Lowerer | None:
-        lowerer = spawn(cls)
+    def counted(cls: type[offload.Lowerer], count: Any = None) -> offload.Lowerer | None:
+        lowerer = spawn(cls, count)
         if lowerer is not None:
             spawned.append(lowerer)
         return lowerer
@@ -436,8 +530,8 @@ def test_the_import_hook_forks_the_child_before_the_first_build(
     spawned: list[offload.Lowerer] = []
     spawn = offload.Lowerer.spawn.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[offload.Lowerer]) -> offload.Lowerer | None:
-        lowerer = spawn(cls)
+    def counted(cls: type[offload.Lowerer], count: Any = None) -> offload.Lowerer | None:
+        lowerer = spawn(cls, count)
         if lowerer is not None:
             spawned.append(lowerer)
         return lowerer

@@ -12,8 +12,9 @@ predicted from the size of the trace:
   39 traced nodes a step; ORT's session creation grows faster than the graph (100 steps: 6,500
   ONNX nodes, 12 s; 200 steps: 43 s), so the whole loop would take hours. A 12-layer GPT-2
   traces to about 3,100 nodes, a 12-layer BERT to 1,000. The plain backend first counts the
-  operators of a run of forward on the call's own tensors (`count_run`), as fast as eager,
-  and then the nodes aot's trace records;
+  operators of a run of forward on the call's own tensors (`count_run`), as fast as eager
+  (made by the lowering child while this process traces, where one is forked for the build:
+  `counted_aside`), and then the nodes aot's trace records;
 - time (`Limits.seconds`): a deadline checked at every submodule call of the trace, at every
   node the exporter converts, and between the build's phases;
 - rebuilds: `too_many_rebuilds` says when a module keeps missing its cache (a new constant
@@ -45,7 +46,7 @@ REBUILD_FLOOR = 8
 #: Fewer calls than this per graph built (past the floor) is a module rebuilding on every call.
 CALLS_PER_BUILD = 2
 
-_REMEDY = (
+REMEDY = (
     "Its calls run in PyTorch. To build it anyway, raise ORT_AUTOPATCH_MAX_GRAPH_NODES or "
     "ORT_AUTOPATCH_MAX_BUILD_SECONDS (0 lifts the limit)"
 )
@@ -71,6 +72,8 @@ class _Budget:
         self.made = 0  # tensors made while aot learns the outputs (`tracing_fx`)
         self.traced = 0  # torch functions called while aot records the graph
         self.next_traced = 1  # the call at which that graph is counted next
+        #: the verdict of a count run made by another process (`counted_aside`)
+        self.counted: Callable[[bool], None] | None = None
 
     def check_time(self, where: str) -> None:
         if time.perf_counter() > self.deadline:
@@ -78,7 +81,7 @@ class _Budget:
                 self.cls,
                 f"building its graph took longer than {self.limits.seconds:g} s (stopped "
                 f"{where}), more than the calls it could speed up",
-                _REMEDY,
+                REMEDY,
             )
 
     def check_nodes(self, count: int, where: str) -> None:
@@ -89,7 +92,7 @@ class _Budget:
                 f"forward traces to more than {limit} graph nodes ({count} {where}; a loop "
                 "unrolled over many steps?): ONNX Runtime would take longer to build the graph "
                 "than the calls it could speed up",
-                _REMEDY,
+                REMEDY,
             )
 
     def tracing(self) -> None:
@@ -115,6 +118,8 @@ class _Budget:
         self.events += 1
         if self.events & 63 == 0:
             self.check_time("while tracing forward")
+            if self.counted is not None:
+                self.counted(False)
         limit = self.limits.nodes
         if limit <= 0:
             return
@@ -274,6 +279,13 @@ class _CountedOperators(TorchDispatchMode):
             self.made.add(address)
 
 
+def counts() -> bool:
+    """Whether the build this thread runs makes a count run (`count_run`): it has a node
+    limit."""
+    budget: _Budget | None = getattr(_state, "budget", None)
+    return budget is not None and budget.limits.nodes > 0
+
+
 def count_run(run: Callable[[], object]) -> None:
     """Run forward on the call's real tensors first, counting its operators: each becomes at
     least one node of the graph, so a forward past the node limit stops here, at about
@@ -287,6 +299,26 @@ def count_run(run: Callable[[], object]) -> None:
         return
     with _CountedOperators(budget):
         run()
+
+
+@contextlib.contextmanager
+def counted_aside(verdict: Callable[[bool], None] | None) -> Iterator[None]:
+    """The count run made by another process (a child forked for it before the trace):
+    `verdict(wait)` raises the count's refusal once it has come (`BuildOverBudget`, as
+    `count_run` here would), waiting for it only with `wait`. Asked every so often while the
+    block traces, so that a forward past the limit stops the trace at once, and once more at
+    its end, waiting: the build goes on only where the count allowed it, as with the count
+    made here. None: nothing to ask (the count was made here, or none is made)."""
+    budget: _Budget | None = getattr(_state, "budget", None)
+    if verdict is None or budget is None:
+        yield
+        return
+    budget.counted = verdict
+    try:
+        yield
+        verdict(True)
+    finally:
+        budget.counted = None
 
 
 @contextlib.contextmanager

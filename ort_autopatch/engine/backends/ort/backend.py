@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import random_ops, runtime, session
+from ort_autopatch.engine import budget, random_ops, runtime, session
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
@@ -84,6 +85,11 @@ def _redraws(lowered: Any) -> bool:
 
         random = verify.random_ops(onnx.load_from_string(lowered.forward))
     return not random_ops.ONNX_PER_SESSION.isdisjoint(random)
+
+
+def _on_cpu(miss: Miss) -> bool:
+    """Whether every tensor of the call and of the module is a CPU tensor."""
+    return all(t.device.type == "cpu" for t in (*miss.call.tensors, *miss.state.tensors))
 
 
 def _first_names(miss: Miss) -> dict[str, str]:
@@ -233,7 +239,14 @@ class OrtBackend(Backend):
         )
 
         call, cls = miss.call, self.module_class
-        lowerer = offload.Lowerer.start()
+        count = None
+        if budget.counts() and _on_cpu(miss):  # (a forked child must not touch CUDA)
+            spec = call.spec()
+            count = functools.partial(
+                capture.count_operators, miss.module, self.forward, spec, call.tensors
+            )
+        lowerer = offload.Lowerer.start(count)
+        counted = lowerer.verdict(cls) if lowerer is not None and lowerer.counts else None
         graphs = None
         try:
             # after the fork: the child needs nothing of ONNX Runtime (forked 0.04 s sooner)
@@ -245,7 +258,8 @@ class OrtBackend(Backend):
                 expected = lowerer.expected()
                 failed: Exception | None = None
                 try:
-                    captured = self._trace(miss, progress, decompositions.table(expected))
+                    table = decompositions.table(expected)
+                    captured = self._trace(miss, progress, table, counted)
                 except Exception as exc:  # maybe the table's doing: decided once it is known
                     failed = exc
                 else:
@@ -259,7 +273,7 @@ class OrtBackend(Backend):
                     log.debug(
                         "%s: torchlib translates other operators than read; traced again", cls
                     )
-                    captured = self._trace(miss, progress, decompositions.table(named))
+                    captured = self._trace(miss, progress, decompositions.table(named), counted)
                     progress.phase = "lowering to ONNX"
                     graphs = lowerer.lower(captured.forward, captured.backward, cls)
                 elif failed is not None:
@@ -269,16 +283,29 @@ class OrtBackend(Backend):
                 lowerer.release()  # kept for the process's next build
         return captured, lowered.lower(captured, cls, graphs), SizeGuards(call.shapes())
 
-    def _trace(self, miss: Miss, progress: Progress, table: dict[Any, Any]) -> Any:
-        """`capture.capture` of the call for its shapes; forward reading tensor data is refused
-        as data-dependent (`_data_dependent`)."""
+    def _trace(
+        self,
+        miss: Miss,
+        progress: Progress,
+        table: dict[Any, Any],
+        counted: Callable[[bool], None] | None = None,
+    ) -> Any:
+        """`capture.capture` of the call for its shapes (`counted`: the verdict of the count
+        run a child made); forward reading tensor data is refused as data-dependent
+        (`_data_dependent`)."""
         from ort_autopatch.engine.backends.ort import capture
 
         call = miss.call
         progress.phase = "tracing forward and backward"
         try:
             return capture.capture(
-                miss.module, self.forward, call.spec(), call.tensors, self.module_class, table
+                miss.module,
+                self.forward,
+                call.spec(),
+                call.tensors,
+                self.module_class,
+                table,
+                counted,
             )
         except ExportError as exc:
             data_dependent = self._data_dependent(exc)

@@ -155,6 +155,39 @@ def load_tracer() -> None:
     del aot_autograd, partitioners
 
 
+@contextlib.contextmanager
+def _tracing(module: torch.nn.Module) -> Iterator[None]:
+    """What a trace of `module`'s call, and its count run, run inside: process-wide rewrites
+    that make a call traceable (under the export lock), the module's state kept."""
+    with (
+        calls.EXPORT_LOCK,  # the rewrites below rebind process-wide state
+        calls.preserved_state(module),  # forward's Python RNG draws, a failed trace's writes
+        calls.stepping_aside(),
+        tracing.export_rewrites(),
+        trace_context.traceable_batch_norms(module),
+        trace_context.relisted_rnn_weights(),
+        trace_context.generic_recurrent_kernels(),
+        recurrent.scanned_lstms(),
+        trace_context.masks_as_given(),
+        trace_context.libraries_tracing(),
+        trace_context.real_constants_allowed(),
+    ):
+        yield
+
+
+def count_operators(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    spec: calls.CallSpec,
+    tensors: Sequence[torch.Tensor],
+) -> None:
+    """The count run `capture` makes first (`budget.count_run`, under the build's limits),
+    for a process forked to make it while this one traces (`offload`)."""
+    flat = _Flat(module, forward, spec)
+    with _tracing(module):
+        budget.count_run(lambda: flat(*tensors))
+
+
 def capture(
     module: torch.nn.Module,
     forward: Callable[..., Any],
@@ -162,9 +195,13 @@ def capture(
     tensors: Sequence[torch.Tensor],
     cls: str,
     decompositions: dict[Any, Callable[..., Any]],
+    counted: Callable[[bool], None] | None = None,
 ) -> Captured:
     """Trace and partition one call. Nothing of the module changes: the trace runs on fake
-    tensors (BatchNorm's statistics are updated only by running the graph)."""
+    tensors (BatchNorm's statistics are updated only by running the graph). The call's
+    operators are counted against the node limit first (`budget.count_run`), unless another
+    process counts them (`count_operators`) and `counted` says its verdict
+    (`budget.counted_aside`)."""
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd import descriptors as d
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
@@ -175,23 +212,14 @@ def capture(
     symbolic = any(map(is_fake, tensors))  # symbolic sizes: `symbolic.fake_inputs`
     try:
         with (
-            calls.EXPORT_LOCK,  # the rewrites below rebind process-wide state
-            calls.preserved_state(module),  # forward's Python RNG draws, a failed trace's writes
+            _tracing(module),
             contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
-            calls.stepping_aside(),
-            tracing.export_rewrites(),
-            trace_context.traceable_batch_norms(module),
-            trace_context.relisted_rnn_weights(),
-            trace_context.generic_recurrent_kernels(),
-            recurrent.scanned_lstms(),
-            trace_context.masks_as_given(),
-            trace_context.libraries_tracing(),
-            trace_context.real_constants_allowed(),
         ):
-            if not symbolic:  # a symbolic trace's inputs are fake
+            if not symbolic and counted is None:  # a symbolic trace's inputs are fake
                 # the trace's first run of forward, in its context: its reads are guards
                 budget.count_run(lambda: flat(*tensors))
             with (
+                budget.counted_aside(counted),
                 budget.enforced_fx(),
                 draws.decided() as decisions,
                 trace_context.composites_replaced(decompositions),

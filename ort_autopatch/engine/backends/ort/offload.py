@@ -5,7 +5,10 @@ exporter's stack (torchlib, onnx, onnx_ir: the lowering), one after the other on
 `Lowerer` forked at the start of a build imports the exporter's stack on the other core while
 this process imports aot_autograd and traces; the child names the operators torchlib
 translates, warms the translator up, then lowers the two graphs the trace sent it and returns
-their ONNX bytes. This process then never imports the exporter or onnx for that build. Only
+their ONNX bytes. Before its imports, a child forked for a build also makes that build's count
+run (`budget.count_run`: forward on the call's CPU tensors, its operators counted against the
+node limit), which this process would otherwise make before its trace: its verdict is the
+child's first answer, asked for while the trace runs (`budget.counted_aside`). This process then never imports the exporter or onnx for that build. Only
 where a core is free: on a busy machine the child's own CPU costs more than the overlap gains
 (`_core_to_spare`). The child then stays for the process's next build while builds keep
 coming (`Lowerer.release`, `IDLE_SECONDS`): a second class, shape or mode pays no import.
@@ -44,6 +47,7 @@ are made anew in the child. Its stdout and stderr go nowhere. Where fork is unav
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import logging
@@ -58,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ort_autopatch.engine import calls, sandbox
-from ort_autopatch.engine.errors import ExportError
+from ort_autopatch.engine.errors import BuildOverBudget, ExportError
 
 if TYPE_CHECKING:
     from ort_autopatch.engine.backends.ort.lowered import Graphs
@@ -84,6 +88,25 @@ _implemented: list[frozenset[Any]] = []  # the first child's answer: the same fo
 
 class Unsupported(Exception):
     """A graph holds something `encode` cannot carry: it is lowered in this process."""
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """The child's count run (`budget.count_run` of the call it was forked for): what
+    stopped it, if anything (a refusal's cause; a failure as its type and message)."""
+
+    over: str | None = None
+    failed: str | None = None
+
+
+def _count(count: Callable[[], None]) -> _Counted:
+    try:
+        count()
+    except BuildOverBudget as exc:
+        return _Counted(over=exc.cause)
+    except Exception as exc:
+        return _Counted(failed=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+    return _Counted()
 
 
 @dataclass(frozen=True)
@@ -347,18 +370,25 @@ def _warm_up() -> None:
     lowered.lower_graphs(decode(Encoded(nodes, {}), fake=False), None, "warm-up", promoted=True)
 
 
-def _serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
-    """The child: import, name what torchlib translates, lower what comes (a second request
+def _serve(
+    receive: Callable[[], Any],
+    send: Callable[[Any], None],
+    count: Callable[[], None] | None = None,
+) -> None:
+    """The child: make the build's count run (`count`, if given: its verdict is the first
+    answer), import, name what torchlib translates, lower what comes (a second request
     follows a trace made again with the child's names) until this process closes it."""
+    # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
+    # thread pool (libgomp's) does not survive a fork
+    torch.set_num_threads(1)
+    if count is not None:
+        send(_count(count))
     # no automatic collections: its imports and translations make objects by the hundred
     # thousand (0.05 s of collections measured in the imports alone); one collection after
     # each answer, while the parent has its graphs, frees what a lowering left
     gc.disable()
     from ort_autopatch.engine.backends.ort import lowered, lowering
 
-    # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
-    # thread pool (libgomp's) does not survive a fork
-    torch.set_num_threads(1)
     calls.EXPORT_LOCK = lowering.EXPORT_LOCK = threading.RLock()  # maybe held at fork
     lowering._lock = threading.Lock()
     send(_implemented_names())
@@ -498,22 +528,28 @@ class Lowerer:
     docstring): forked for one build and kept for the next (`release`), whose lowering then
     pays no import (a DCGAN's three graphs: 1.3 s of the exporter's imports each, before)."""
 
-    def __init__(self, child: sandbox.Child) -> None:
+    def __init__(self, child: sandbox.Child, counts: bool = False) -> None:
         self._child = child
         self._names: list[tuple[str, ...]] | None = None
         self._failed = False  # the child failed: nothing more is asked of it
+        #: the child makes this build's count run (`verdict` tells its outcome)
+        self.counts = counts
+        self._count_pending = counts  # the verdict, its first answer, is still to be read
+        self._counted: _Counted | None = None  # that verdict, once read
 
     @classmethod
-    def start(cls) -> Lowerer | None:
-        """The child kept from an earlier build; else a child importing the exporter now;
-        None where forking is unavailable, where this process has imported the exporter
-        already (lowering here costs no import), or where no core is free for a new child
-        (`_core_to_spare`: a kept child has its imports done and costs what lowering here
-        would)."""
+    def start(cls, count: Callable[[], None] | None = None) -> Lowerer | None:
+        """The child kept from an earlier build; else a child importing the exporter now,
+        which first makes the build's count run (`count`: `counts` says so; on the other
+        core, while this process traces); None where forking is unavailable, where this
+        process has imported the exporter already (lowering here costs no import), or where
+        no core is free for a new child (`_core_to_spare`: a kept child has its imports done
+        and costs what lowering here would)."""
         with _kept_lock:
             if _kept:
                 kept, timer = _kept.pop()
                 timer.cancel()
+                kept.counts = False  # forked for an earlier build: this one counts here
                 return kept
         if _EXPORTER in sys.modules:
             return None
@@ -522,21 +558,63 @@ class Lowerer:
             importlib.import_module(name)
         if not _core_to_spare(probe):
             return None
-        return cls.spawn()
+        return cls.spawn(count)
 
     @classmethod
-    def spawn(cls) -> Lowerer | None:
-        """A child, whatever this process has imported; None where forking is unavailable or
-        another thread may be working (`sandbox.working_thread`)."""
+    def spawn(cls, count: Callable[[], None] | None = None) -> Lowerer | None:
+        """A child, whatever this process has imported (making `count` first, if given);
+        None where forking is unavailable or another thread may be working
+        (`sandbox.working_thread`)."""
         busy = sandbox.working_thread()
         if busy is not None:
             log.debug("lowering child: not forked while thread %r works", busy)
             return None
-        child = sandbox.Child.spawn(_serve)
-        return None if child is None else cls(child)
+        child = sandbox.Child.spawn(functools.partial(_serve, count=count))
+        return None if child is None else cls(child, counts=count is not None)
 
     def _receive(self) -> Any:
         return self._child.receive(TIMEOUT_SECONDS)
+
+    def _read_count(self, wait: bool) -> None:
+        """Read the count's verdict, if the child made one and it has not been read (now,
+        or only if it has come, without `wait`): before any other answer. A child that fails
+        first counts nothing: the trace's own node checks then hold the limit (at the
+        trace's speed)."""
+        if not self._count_pending or self._failed:
+            return
+        if not wait and not self._child.answered():
+            return
+        self._count_pending = False
+        try:
+            counted = self._receive()
+        except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
+            log.debug("the lowering child made no count run (%s)", exc)
+            self._failed = True
+            return
+        assert isinstance(counted, _Counted), f"a count's verdict, not {type(counted)}"
+        self._counted = counted
+
+    def verdict(self, cls: str) -> Callable[[bool], None]:
+        """`budget.counted_aside`'s question for the child's count run of `cls`'s call: its
+        refusal, raised as the count made here would raise it."""
+
+        def verdict(wait: bool) -> None:
+            self._read_count(wait)
+            counted = self._counted
+            if counted is None or not self.counts:
+                return
+            if counted.over is not None:
+                from ort_autopatch.engine import budget
+
+                raise BuildOverBudget(cls, counted.over, budget.REMEDY)
+            if counted.failed is not None:
+                raise ExportError(
+                    cls,
+                    f"torch could not trace the call's forward and backward: {counted.failed}",
+                    "Run this class eagerly (the default fallback policy does)",
+                )
+
+        return verdict
 
     @staticmethod
     def expected() -> frozenset[Any]:
@@ -558,6 +636,9 @@ class Lowerer:
             return None
         try:
             if self._names is None:  # else read by `lower` already
+                self._read_count(wait=True)
+                if self._failed:
+                    return None
                 self._names = self._receive()
             assert self._names is not None
             found = frozenset(_found(self._names))
@@ -601,6 +682,9 @@ class Lowerer:
             return None
         try:
             if self._names is None:
+                self._read_count(wait=True)
+                if self._failed:
+                    return None
                 self._names = self._receive()  # the child's first answer, not read yet
             self._child.send(request)
             if meanwhile is not None:

@@ -112,3 +112,89 @@ def test_symbolic_floor_division_of_a_negative_size_rounds_down_as_python() -> N
         y.sum().backward()
         assert x.grad is not None and float(x.grad.sum()) == 2.0 * 2 * ((length + 1) // 2)
     assert [r.dynamic for r in engine.records] == [False, True]
+
+
+def _graphs_of(name: str) -> list[Any]:
+    """A model's captured forward and backward graphs, types promoted."""
+    import torch
+    from torch import nn
+
+    from ort_autopatch.engine import signature
+    from ort_autopatch.engine.backends.ort import capture, decompositions, lowering
+
+    torch.manual_seed(0)
+    model, args = {
+        "transformer": lambda: (
+            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+            (torch.randn(2, 5, 16),),
+        ),
+        "conv_batchnorm_pool": lambda: (
+            nn.Sequential(
+                nn.Conv2d(3, 4, 3, padding=1),
+                nn.BatchNorm2d(4),
+                nn.ReLU(),
+                nn.AvgPool2d(2),
+                nn.Flatten(),
+                nn.Linear(16, 3),
+            ),
+            (torch.randn(2, 3, 4, 4),),
+        ),
+        "activations_and_norms": lambda: (
+            nn.Sequential(
+                nn.Embedding(10, 8),
+                nn.LayerNorm(8),
+                nn.GELU(approximate="tanh"),
+                nn.Linear(8, 8),
+                nn.LeakyReLU(0.2),
+                nn.LogSoftmax(-1),
+            ),
+            (torch.randint(0, 10, (2, 5)),),
+        ),
+    }[name]()
+    call = signature.flatten_call("M", args, {})
+    captured = capture.capture(
+        model, lambda m, *a, **k: m(*a, **k), call.spec(), call.tensors, "M", decompositions.table()
+    )
+    graphs = [g for g in (captured.forward, captured.backward) if g is not None]
+    for graph in graphs:
+        lowering.promote_types(graph)
+    return graphs
+
+
+@pytest.mark.parametrize("name", ["transformer", "conv_batchnorm_pool", "activations_and_norms"])
+def test_signatures_made_once_translate_to_the_bytes_made_each_time(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Reusing the ONNX operators' signatures (`_signatures_reused`) changes no byte of a
+    graph's translation, translated twice over (the second time from signatures reused
+    across graphs)."""
+    import contextlib
+
+    from ort_autopatch.engine.backends.ort import lowering
+
+    graphs = _graphs_of(name)
+    reused = [lowering.to_onnx(g, "M", f"graph{k}", True) for k, g in enumerate(graphs)]
+    again = [lowering.to_onnx(g, "M", f"graph{k}", True) for k, g in enumerate(graphs)]
+    monkeypatch.setattr(lowering, "_signatures_reused", contextlib.nullcontext)
+    made = [lowering.to_onnx(g, "M", f"graph{k}", True) for k, g in enumerate(graphs)]
+    assert reused == made and again == made
+
+
+def test_each_reused_signature_has_its_own_lists_and_default_attributes() -> None:
+    """A node takes a default attribute in as it is: no two translations share one."""
+    import onnx
+    from onnx_ir import schemas
+
+    from ort_autopatch.engine.backends.ort import lowering
+
+    schema = onnx.defs.get_schema("LeakyRelu", lowering.OPSET, "")
+    with lowering._signatures_reused():
+        one = schemas.OpSignature.from_op_schema(schema)
+        two = schemas.OpSignature.from_op_schema(schema)
+    made = schemas.OpSignature.from_op_schema(schema)  # (unpatched again)
+    assert one == two == made
+    assert one.params is not two.params and one.outputs is not two.outputs
+    (alpha,) = (p for p in one.params if p.name == "alpha")
+    (other,) = (p for p in two.params if p.name == "alpha")
+    assert alpha.default is not None and alpha.default is not other.default
+    assert alpha.default.value == other.default.value

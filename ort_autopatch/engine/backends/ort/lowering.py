@@ -284,6 +284,65 @@ def promote_types(gm: torch.fx.GraphModule) -> None:
     gm.meta[PROMOTED] = True
 
 
+#: Each ONNX operator's signature, made once a process (`_signatures_reused`).
+_signatures: dict[tuple[Any, str, str, int], Any] = {}
+
+
+@contextlib.contextmanager
+def _signatures_reused() -> Iterator[None]:
+    """The translator's signatures of ONNX operators made once per operator and version.
+
+    The exporter asks onnx_ir for an operator's signature (`OpSignature.from_op_schema`,
+    which parses every type constraint of the schema) at each ONNX operator a torchlib
+    function calls: 480 times for a TransformerEncoderLayer's two graphs, 208 of them for
+    `Constant`, 29 % of its translation. Within the block the first one made per (domain,
+    name, version) is kept and each call gets a copy: its own parameter lists and default
+    attributes (which nodes take in as they are), the immutable parameters shared. The
+    exporter's translation of the same graph gives the same bytes (a test holds them)."""
+    import copy
+    import dataclasses
+
+    from onnx_ir import schemas
+
+    made = schemas.OpSignature.__dict__["from_op_schema"]
+    make = made.__func__
+
+    def reused(kind: type, op_schema: Any) -> Any:
+        key = (kind, op_schema.domain, op_schema.name, op_schema.since_version)
+        signature = _signatures.get(key)
+        if signature is None:
+            signature = _signatures[key] = make(kind, op_schema)
+        params = [
+            dataclasses.replace(p, default=copy.copy(p.default))
+            if isinstance(p, schemas.AttributeParameter) and p.default is not None
+            else p
+            for p in signature.params
+        ]
+        return dataclasses.replace(signature, params=params, outputs=list(signature.outputs))
+
+    schemas.OpSignature.from_op_schema = classmethod(reused)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schemas.OpSignature.from_op_schema = made
+
+
+def warm_signatures() -> None:
+    """Make the signature of each standard ONNX operator at `OPSET` now (the lowering child,
+    waiting for its first graph, has the time): 0.04 s of a first translation otherwise."""
+    import onnx
+    from onnx_ir import schemas
+
+    with _signatures_reused():
+        for name in sorted({s.name for s in onnx.defs.get_all_schemas() if s.domain == ""}):
+            try:
+                schema = onnx.defs.get_schema(name, OPSET, "")
+            except onnx.defs.SchemaError:  # introduced after OPSET
+                continue
+            if not schema.deprecated:
+                schemas.OpSignature.from_op_schema(schema)
+
+
 def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = False) -> bytes:
     """The ONNX bytes of one graph: its placeholders are the inputs, its outputs (no None,
     none twice) the outputs, all named after their FX nodes. `promoted` (or the graph's
@@ -312,7 +371,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
         # another thread's aot trace under way ("expected preserved node meta"), and `_quiet`
         # sets a process-wide logger level; real constants pass, as type promotion runs the
         # graph on fakes.
-        with EXPORT_LOCK, _quiet(), real_constants_allowed():
+        with EXPORT_LOCK, _quiet(), real_constants_allowed(), _signatures_reused():
             if not (promoted or gm.meta.get(PROMOTED)):
                 _fx_passes.insert_type_promotion_nodes(gm)
             _core._translate_fx_graph(

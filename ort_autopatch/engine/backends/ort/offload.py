@@ -5,13 +5,14 @@ exporter's stack (torchlib, onnx, onnx_ir: the lowering), one after the other on
 `Lowerer` forked at the start of a build imports the exporter's stack on the other core while
 this process imports aot_autograd and traces; the child names the operators torchlib
 translates, warms the translator up, then lowers the two graphs the trace sent it and returns
-their ONNX bytes. Before its imports, a child forked for a build also makes that build's count
-run (`budget.count_run`: forward on the call's CPU tensors, its operators counted against the
-node limit), which this process would otherwise make before its trace: its verdict is the
-child's first answer, asked for while the trace runs (`budget.counted_aside`). This process then never imports the exporter or onnx for that build. Only
-where a core is free: on a busy machine the child's own CPU costs more than the overlap gains
-(`_core_to_spare`). The child then stays for the process's next build while builds keep
-coming (`Lowerer.release`, `IDLE_SECONDS`): a second class, shape or mode pays no import.
+their ONNX bytes. This process then never imports the exporter or onnx for that build. Before
+its imports, a child forked for a build also makes that build's count run (`budget.count_run`:
+forward on the call's CPU tensors, its operators counted against the node limit), which this
+process would otherwise make before its trace: its verdict is the child's first answer, asked
+for while the trace runs (`budget.counted_aside`). Only where a core is free: on a busy machine
+the child's own CPU costs more than the overlap gains (`_core_to_spare`). The child then stays
+for the process's next build while builds keep coming (`Lowerer.release`, `IDLE_SECONDS`): a
+second class, shape or mode pays no import.
 
 The decomposition table the trace needs depends on what torchlib translates, which the child
 knows only once its imports are done (1.5 s of a fresh process, most of the first call): the
@@ -358,8 +359,9 @@ def _found(names: list[tuple[str, ...]]) -> list[Any]:
 
 def _warm_up() -> None:
     """Lower a one-node graph while the parent traces: a process's first translation and
-    serialisation cost more than a small graph's own."""
-    from ort_autopatch.engine.backends.ort import lowered
+    serialisation cost more than a small graph's own; and make the ONNX operators'
+    signatures (`lowering.warm_signatures`)."""
+    from ort_autopatch.engine.backends.ort import lowered, lowering
 
     x = _Fake((2,), (1,), 0, torch.float32)
     nodes = [
@@ -368,6 +370,7 @@ def _warm_up() -> None:
         _Node("output", "output", "output", ((_Ref("mul"),),), {}, None, {}),
     ]
     lowered.lower_graphs(decode(Encoded(nodes, {}), fake=False), None, "warm-up", promoted=True)
+    lowering.warm_signatures()
 
 
 def _serve(
@@ -538,13 +541,19 @@ class Lowerer:
         self._counted: _Counted | None = None  # that verdict, once read
 
     @classmethod
-    def start(cls, count: Callable[[], None] | None = None) -> Lowerer | None:
+    def start(
+        cls,
+        count: Callable[[], None] | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> Lowerer | None:
         """The child kept from an earlier build; else a child importing the exporter now,
         which first makes the build's count run (`count`: `counts` says so; on the other
         core, while this process traces); None where forking is unavailable, where this
         process has imported the exporter already (lowering here costs no import), or where
         no core is free for a new child (`_core_to_spare`: a kept child has its imports done
-        and costs what lowering here would)."""
+        and costs what lowering here would). `meanwhile()`, work the build needs whatever is
+        decided, runs in the probe's window, which is otherwise waited out (50 ms of a
+        first call); not run where no window is needed."""
         with _kept_lock:
             if _kept:
                 kept, timer = _kept.pop()
@@ -556,6 +565,8 @@ class Lowerer:
         probe = _CoreProbe.begin()
         for name in _SHARED:  # once, before the fork, rather than once on each side
             importlib.import_module(name)
+        if meanwhile is not None:
+            meanwhile()
         if not _core_to_spare(probe):
             return None
         return cls.spawn(count)

@@ -324,7 +324,7 @@ def _signatures_reused() -> Iterator[None]:
     try:
         yield
     finally:
-        schemas.OpSignature.from_op_schema = made
+        schemas.OpSignature.from_op_schema = made  # type: ignore[method-assign]
 
 
 def warm_signatures() -> None:

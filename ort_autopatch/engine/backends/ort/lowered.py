@@ -173,6 +173,59 @@ class Graphs:
     random_operators: list[str]  # forward's (`verify.random_ops`)
     splits: dict[str, Split] = field(default_factory=dict)  # see `Lowered.splits`
 
+    @classmethod
+    def of(cls, parts: list[LoweredGraph]) -> Graphs:
+        """The graphs lowered one by one (`lower_graph`), forward first."""
+        forward, *rest = parts
+        backward = rest[0] if rest else None
+        assert forward.role == "forward" and (backward is None or backward.role == "backward")
+        return cls(
+            forward=forward.model,
+            backward=None if backward is None else backward.model,
+            forward_outputs=forward.outputs,
+            backward_outputs=[] if backward is None else backward.outputs,
+            facts={part.role: part.facts for part in parts},
+            random_operators=forward.random_operators,
+            splits={part.role: part.split for part in parts if part.split is not None},
+        )
+
+
+@dataclass
+class LoweredGraph:
+    """One graph of a capture as ONNX (or cut at its torch nodes: `split`), with what
+    `Graphs` keeps of it: lowered alone (in the lowering child, one per request)."""
+
+    role: str  # "forward" or "backward"
+    model: bytes  # empty when cut
+    outputs: list[tuple[str, int]]  # see `_Session.outputs`
+    facts: GraphFacts
+    random_operators: list[str]  # forward's (`verify.random_ops`); a backward's are not read
+    split: Split | None = None
+
+
+def lower_graph(
+    gm: torch.fx.GraphModule, cls: str, role: str, promoted: bool = False, cut: bool = True
+) -> LoweredGraph:
+    """One graph to ONNX (its outputs rewritten to what ONNX can carry); `promoted`: its
+    types were promoted already (`lowering.promote_types`). `cut`: a graph with operators
+    ONNX cannot express is cut at them (`torch_nodes`), else refused."""
+    import onnx
+
+    from ort_autopatch.engine import verify
+
+    plan = _outputs_for_onnx(gm)
+    missing = lowering.missing_targets(gm) if cut else set()
+    if missing:  # cut at them, each run in torch (`torch_nodes`)
+        if not (promoted or gm.meta.get(lowering.PROMOTED)):
+            lowering.promote_types(gm)  # whole: a segment's inputs have no producer
+        split = _cut(gm, missing, cls, role)
+        random = sorted({op for s in split.segments for op in s.random_operators})
+        facts = GraphFacts(split.inputs, False)
+        return LoweredGraph(role, b"", plan, facts, random if role == "forward" else [], split)
+    model = lowering.to_onnx(gm, cls, role, promoted)
+    random = verify.random_ops(onnx.load_from_string(model)) if role == "forward" else []
+    return LoweredGraph(role, model, plan, GraphFacts.of(model), random)
+
 
 def lower_graphs(
     forward: torch.fx.GraphModule,
@@ -181,46 +234,11 @@ def lower_graphs(
     promoted: bool = False,
     cut: bool = True,
 ) -> Graphs:
-    """Both graphs to ONNX (their outputs rewritten to what ONNX can carry); `promoted`:
-    their types were promoted already (`lowering.promote_types`). `cut`: a graph with
-    operators ONNX cannot express is cut at them (`torch_nodes`), else refused."""
-    import onnx
-
-    from ort_autopatch.engine import verify
-
-    splits: dict[str, Split] = {}
-    facts: dict[str, GraphFacts] = {}
-    models: dict[str, bytes] = {}
-    plans: dict[str, list[tuple[str, int]]] = {}
-    random: list[str] = []
-    for role, gm in (("forward", forward), ("backward", backward)):
-        if gm is None:
-            continue
-        plans[role] = _outputs_for_onnx(gm)
-        missing = lowering.missing_targets(gm) if cut else set()
-        if missing:  # cut at them, each run in torch (`torch_nodes`)
-            if not (promoted or gm.meta.get(lowering.PROMOTED)):
-                lowering.promote_types(gm)  # whole: a segment's inputs have no producer
-            splits[role] = _cut(gm, missing, cls, role)
-            models[role] = b""
-            facts[role] = GraphFacts(splits[role].inputs, False)
-            if role == "forward":
-                segments = splits[role].segments
-                random = sorted({op for s in segments for op in s.random_operators})
-            continue
-        models[role] = lowering.to_onnx(gm, cls, role, promoted)
-        facts[role] = GraphFacts.of(models[role])
-        if role == "forward":
-            random = verify.random_ops(onnx.load_from_string(models[role]))
-    return Graphs(
-        forward=models["forward"],
-        backward=models.get("backward"),
-        forward_outputs=plans["forward"],
-        backward_outputs=plans.get("backward", []),
-        facts=facts,
-        random_operators=random,
-        splits=splits,
-    )
+    """Both graphs to ONNX (`lower_graph`)."""
+    parts = [lower_graph(forward, cls, "forward", promoted, cut)]
+    if backward is not None:
+        parts.append(lower_graph(backward, cls, "backward", promoted, cut))
+    return Graphs.of(parts)
 
 
 def _cut(gm: torch.fx.GraphModule, missing: set[Any], cls: str, what: str) -> Split:

@@ -379,8 +379,8 @@ def _serve(
     count: Callable[[], None] | None = None,
 ) -> None:
     """The child: make the build's count run (`count`, if given: its verdict is the first
-    answer), import, name what torchlib translates, lower what comes (a second request
-    follows a trace made again with the child's names) until this process closes it."""
+    answer), import, name what torchlib translates, lower each graph that comes (more
+    follow a trace made again with the child's names) until this process closes it."""
     # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
     # thread pool (libgomp's) does not survive a fork
     torch.set_num_threads(1)
@@ -398,18 +398,18 @@ def _serve(
     _warm_up()
     while True:
         try:
-            cls, forward, backward = receive()
+            cls, role, encoded, last = receive()
         except EOFError:
             return
-        graphs = [None if g is None else decode(g, fake=False) for g in (forward, backward)]
-        assert graphs[0] is not None
+        graph = decode(encoded, fake=False)
         try:
-            answer = lowered.lower_graphs(graphs[0], graphs[1], cls, promoted=True, cut=False)
+            answer = lowered.lower_graph(graph, cls, role, promoted=True, cut=False)
         except ExportError:  # lowered (or cut at torch nodes: `torch_nodes`) by the parent
             answer = None
         send(answer)
-        del graphs
-        gc.collect()  # kept for later builds: this one's garbage goes while the parent runs
+        del graph
+        if last:  # kept for later builds: the build's garbage goes while the parent runs
+            gc.collect()
 
 
 #: The shortest window over which CPU use is read (`/proc/stat` counts in 10 ms ticks).
@@ -673,39 +673,46 @@ class Lowerer:
         Types are promoted here, in place (the pass runs the graph on fake tensors, which the
         child would have to import torch._dynamo for), as lowering here would promote them:
         a graph promoted is marked (`lowering.PROMOTED`), so lowering it here after all does
-        not promote it twice."""
-        from ort_autopatch.engine.backends.ort import lowering
+        not promote it twice. Each graph is sent once promoted: the child lowers forward
+        while this process promotes backward."""
+        from ort_autopatch.engine.backends.ort import lowered, lowering
 
-        graphs = [graph for graph in (forward, backward) if graph is not None]
-        try:
-            for graph in graphs:
-                if not graph.meta.get(lowering.PROMOTED):
-                    lowering.promote_types(graph)
-            promoted = [encode(graph) for graph in graphs]
-        except Unsupported as exc:
-            log.debug("%s: lowered in this process: the graph has %s", cls, exc)
-            return None
-        except Exception as exc:  # lowering here says what the exporter makes of it
-            log.debug("%s: lowered in this process: type promotion failed (%s)", cls, exc)
-            return None
-        request = (cls, promoted[0], promoted[1] if backward is not None else None)
+        graphs = [(r, g) for r, g in (("forward", forward), ("backward", backward)) if g]
         if self._failed:
             return None
+        sent = 0
+        kept = True  # every graph sent
         try:
-            if self._names is None:
-                self._read_count(wait=True)
-                if self._failed:
-                    return None
-                self._names = self._receive()  # the child's first answer, not read yet
-            self._child.send(request)
-            if meanwhile is not None:
+            for k, (role, graph) in enumerate(graphs):
+                try:
+                    if not graph.meta.get(lowering.PROMOTED):
+                        lowering.promote_types(graph)
+                    encoded = encode(graph)
+                except Unsupported as exc:
+                    log.debug("%s: lowered in this process: the graph has %s", cls, exc)
+                    kept = False
+                    break
+                except Exception as exc:  # lowering here says what the exporter makes of it
+                    log.debug("%s: lowered in this process: promotion failed (%s)", cls, exc)
+                    kept = False
+                    break
+                if self._names is None:
+                    self._read_count(wait=True)
+                    if self._failed:
+                        return None
+                    self._names = self._receive()  # the child's first answer, not read yet
+                self._child.send((cls, role, encoded, k == len(graphs) - 1))
+                sent += 1
+            if kept and meanwhile is not None:
                 meanwhile()
-            answer: Graphs | None = self._receive()  # None: lower here
-            return answer
+            parts: list[lowered.LoweredGraph | None] = [self._receive() for _ in range(sent)]
         except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
             log.debug("%s: lowered in this process: the child failed (%s)", cls, exc)
             self._failed = True
             return None
+        if not kept or any(part is None for part in parts):  # None: lower here
+            return None
+        return lowered.Graphs.of([part for part in parts if part is not None])
 
     def release(self, idle: float | None = None) -> None:
         """The build is done with the child: kept for the next build for `idle` seconds

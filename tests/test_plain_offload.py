@@ -256,23 +256,6 @@ def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
         assert len(answers) == 1
 
 
-class Unrolled(nn.Module):
-    """An LSTMCell over every time step (pytorch/examples' time_sequence_prediction)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cell = nn.LSTMCell(1, 8)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = c = torch.zeros(x.shape[0], 8)
-        outputs = []
-        for x_t in x.split(1, dim=1):
-            h, c = self.cell(x_t, (h, c))
-            outputs.append(self.head(h))
-        return torch.cat(outputs, dim=1)
-
-
 def _counted_where(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Callable[[], list[int]]:
     """Every build forks a child; the processes that made a count run, by pid."""
     import os
@@ -319,6 +302,7 @@ def test_a_forward_past_the_node_limit_counted_by_the_child_stops_the_build(
     import time
 
     from ort_autopatch.engine.errors import BuildOverBudget
+    from tests.test_build_budget import Unrolled
 
     counted = _counted_where(monkeypatch, tmp_path)
     torch.manual_seed(0)

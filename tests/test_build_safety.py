@@ -4,6 +4,7 @@ refused with the dtype named, and a gradient builder that aborts takes only a ch
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -222,6 +223,32 @@ def test_a_started_child_answers_each_request_in_order() -> None:
         assert child.receive(60) == 42
     finally:
         child.close()
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs fork")
+def test_requests_sent_while_the_child_writes_a_long_answer_do_not_hang() -> None:
+    """Two requests larger than a pipe holds, sent back to back: the child answers the first
+    with more than a pipe holds while the second is still being sent. Both sides wrote and
+    neither read (the lowering child hung so on a BERT's graphs); now the answer is read in
+    while the request goes out."""
+    child = sandbox.Child.spawn(_echo_twice)
+    assert child is not None
+    answers: list[Any] = []
+
+    def talk() -> None:
+        child.receive(60)
+        child.send(b"x" * 3_000_000, timeout=60)
+        child.send(b"y" * 3_000_000, timeout=60)
+        answers.extend([child.receive(60), child.receive(60)])
+
+    talking = threading.Thread(target=talk, daemon=True)
+    try:
+        talking.start()
+        talking.join(60)
+        assert not talking.is_alive(), "this process and the child wait on each other"
+    finally:
+        child.close()
+    assert answers == [b"x" * 6_000_000, b"y" * 6_000_000]
 
 
 @pytest.mark.skipif(not sandbox.available(), reason="needs fork")

@@ -328,12 +328,29 @@ class Child:
                 os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
         os.close(request_read)
         os.close(reply_write)
+        os.set_blocking(request_write, False)  # `send` writes what the pipe takes
         return cls(pid, request_write, reply_read)
 
-    def send(self, value: Any) -> None:
-        """Pickle `value` to the child (raises OSError if it is gone)."""
+    def send(self, value: Any, timeout: float | None = None) -> None:
+        """Pickle `value` to the child (raises OSError if it is gone, EOFError if it closed
+        its end, TimeoutError if it took in nothing for `timeout` seconds). What the child
+        writes meanwhile is read into the buffer `receive` reads from: a child answering an
+        earlier request with more than a pipe holds, while this process sends the next,
+        would wait on this process while this process waits on it (a BERT's graphs, sent one
+        by one, hung so)."""
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        _write_all(self._to_child, len(data).to_bytes(8, "little") + data)
+        view = memoryview(len(data).to_bytes(8, "little") + data)
+        while view:
+            readable, writable, _ = select.select([self._from_child], [self._to_child], [], timeout)
+            if not readable and not writable:
+                raise TimeoutError("the child took in nothing in time")
+            if readable:
+                self._reader.take()
+            if writable:
+                try:
+                    view = view[os.write(self._to_child, view) :]
+                except BlockingIOError:  # (select's promise is a page; the rest waits)
+                    continue
 
     def receive(self, timeout: float) -> Any:
         """The child's next message; `ChildError` when it raised, `TimeoutError` when none
@@ -374,6 +391,13 @@ class _Reader:
         self.fd = fd
         self.buffer = b""
 
+    def take(self) -> None:
+        """Read what the pipe holds now (waiting for something, unless select said so)."""
+        data = os.read(self.fd, 1 << 20)
+        if not data:
+            raise EOFError("the child is gone")
+        self.buffer += data
+
     def receive(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self.buffer) < 8 or len(self.buffer) < 8 + int.from_bytes(
@@ -383,10 +407,7 @@ class _Reader:
                 left = max(deadline - time.monotonic(), 0.0)  # 0: what has arrived only
                 if not select.select([self.fd], [], [], left)[0]:
                     raise TimeoutError("no message from the child in time")
-            data = os.read(self.fd, 1 << 20)
-            if not data:
-                raise EOFError("the child is gone")
-            self.buffer += data
+            self.take()
         size = int.from_bytes(self.buffer[:8], "little")
         data, self.buffer = self.buffer[8 : 8 + size], self.buffer[8 + size :]
         return pickle.loads(data)

@@ -701,7 +701,7 @@ class Lowerer:
                     if self._failed:
                         return None
                     self._names = self._receive()  # the child's first answer, not read yet
-                self._child.send((cls, role, encoded, k == len(graphs) - 1))
+                self._child.send((cls, role, encoded, k == len(graphs) - 1), TIMEOUT_SECONDS)
                 sent += 1
             if kept and meanwhile is not None:
                 meanwhile()

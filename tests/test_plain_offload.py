@@ -334,6 +334,61 @@ def test_a_child_that_dies_before_its_count_leaves_the_limit_to_the_trace(
     assert _first_call(monkeypatch, tmp_path) == [None]
 
 
+class Wide(nn.Module):
+    """A large constant: forward's ONNX graph holds it, and so does backward's request when
+    the input needs a gradient (each more than a pipe holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(256, 512)  # a plain tensor: a constant of the graph
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x @ self.table
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_large_answer_while_a_large_graph_is_sent_does_not_hang(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The child answers forward (a constant-laden graph) while this process, slow to promote
+    backward's types, is still sending backward: the build ends, in ORT, with eager's numbers
+    (both sides once wrote and waited for the other to read: a BERT's first call hung)."""
+    import threading
+    import time
+
+    from ort_autopatch.engine.backends.ort import lowering, offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_core_to_spare", lambda probe=None: True)
+    promote = lowering.promote_types
+    promoted: list[int] = []
+
+    def slow(graph: torch.fx.GraphModule) -> None:
+        promoted.append(len(graph.graph.nodes))
+        if len(promoted) == 2:  # backward's, once forward has gone to the child
+            time.sleep(1.0)
+        promote(graph)
+
+    monkeypatch.setattr(lowering, "promote_types", slow)
+    torch.manual_seed(0)
+    model, eager = Wide(), Wide()
+    eager.load_state_dict(model.state_dict())
+    eager.table = model.table
+    x = torch.randn(4, 256, requires_grad=True)
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))
+    results: list[Any] = []
+    building = threading.Thread(target=lambda: results.append(engine(x)), daemon=True)
+    building.start()
+    building.join(60)
+    assert not building.is_alive(), "the build waits on its lowering child forever"
+    assert len(promoted) == 2
+    assert ran_in_plain_ort(results[0])
+    torch.testing.assert_close(results[0], eager(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_busy_machine_lowers_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """No child where no core is free now: its extra CPU would slow both processes down. What
     decides is the CPUs' idle time over a short window (/proc/stat), less this process's own

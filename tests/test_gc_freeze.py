@@ -56,12 +56,19 @@ def test_a_build_runs_with_the_process_objects_frozen_and_thaws_them(tmp_path) -
     assert gc.get_freeze_count() == 0
 
 
+def _frozen(item: object) -> bool:
+    """Whether `item` (tracked by the collector) sits in its permanent generation."""
+    return all(id(item) != id(other) for other in gc.get_objects())
+
+
 def test_a_build_leaves_a_freeze_of_the_processes_own_alone() -> None:
+    theirs: list[object] = []
     gc.freeze()
-    frozen = gc.get_freeze_count()
+    assert _frozen(theirs)
     with gc_freeze.frozen_heap():
-        assert gc.get_freeze_count() == frozen
-    assert gc.get_freeze_count() == frozen
+        ours: list[object] = []  # made in the build: no freeze of ours would take it
+        assert _frozen(theirs) and not _frozen(ours)
+    assert _frozen(theirs), "the build undid the process's own freeze"
 
 
 def test_nothing_is_frozen_where_the_collector_is_off() -> None:

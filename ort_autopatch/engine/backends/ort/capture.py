@@ -298,12 +298,7 @@ def capture(
     except (ExportError, UnsupportedModelError, BuildOverBudget):
         raise
     except Exception as exc:
-        raise ExportError(
-            cls,
-            f"torch could not trace the call's forward and backward: "
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
-            "Run this class eagerly (the default fallback policy does)",
-        ) from exc
+        raise untraceable(cls, exc) from exc
     assert flat.output_spec is not None
     captured = Captured(
         forward=forward_gm,
@@ -323,6 +318,22 @@ def capture(
         passes.PartitionedGraphs(cls, captured, tangents, num_forward, symbolic),
     )
     return captured
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one line: its type and the start of its message."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def untraceable(cls: str, cause: BaseException | str) -> ExportError:
+    """The refusal of a call torch could not trace (`cause`: the exception, or its
+    `describe` made in another process)."""
+    return ExportError(
+        cls,
+        "torch could not trace the call's forward and backward: "
+        + (cause if isinstance(cause, str) else describe(cause)),
+        "Run this class eagerly (the default fallback policy does)",
+    )
 
 
 def _qualified(target: str) -> str:

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ort_autopatch.engine import calls, sandbox
+from ort_autopatch.engine import budget, calls, sandbox
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError
 
 if TYPE_CHECKING:
@@ -106,7 +106,9 @@ def _count(count: Callable[[], None]) -> _Counted:
     except BuildOverBudget as exc:
         return _Counted(over=exc.cause)
     except Exception as exc:
-        return _Counted(failed=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+        from ort_autopatch.engine.backends.ort import capture
+
+        return _Counted(failed=capture.describe(exc))
     return _Counted()
 
 
@@ -605,6 +607,16 @@ class Lowerer:
         assert isinstance(counted, _Counted), f"a count's verdict, not {type(counted)}"
         self._counted = counted
 
+    def _read_names(self) -> bool:
+        """Read the child's operator names, its answer after the count's verdict, if not
+        read yet; False if the child failed first (raises as `_receive`)."""
+        if self._names is None:
+            self._read_count(wait=True)
+            if self._failed:
+                return False
+            self._names = self._receive()
+        return True
+
     def verdict(self, cls: str) -> Callable[[bool], None]:
         """`budget.counted_aside`'s question for the child's count run of `cls`'s call: its
         refusal, raised as the count made here would raise it."""
@@ -615,15 +627,11 @@ class Lowerer:
             if counted is None or not self.counts:
                 return
             if counted.over is not None:
-                from ort_autopatch.engine import budget
-
                 raise BuildOverBudget(cls, counted.over, budget.REMEDY)
             if counted.failed is not None:
-                raise ExportError(
-                    cls,
-                    f"torch could not trace the call's forward and backward: {counted.failed}",
-                    "Run this class eagerly (the default fallback policy does)",
-                )
+                from ort_autopatch.engine.backends.ort import capture
+
+                raise capture.untraceable(cls, counted.failed)
 
         return verdict
 
@@ -646,11 +654,8 @@ class Lowerer:
         if self._failed:
             return None
         try:
-            if self._names is None:  # else read by `lower` already
-                self._read_count(wait=True)
-                if self._failed:
-                    return None
-                self._names = self._receive()
+            if not self._read_names():
+                return None
             assert self._names is not None
             found = frozenset(_found(self._names))
         except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
@@ -677,7 +682,8 @@ class Lowerer:
         while this process promotes backward."""
         from ort_autopatch.engine.backends.ort import lowered, lowering
 
-        graphs = [(r, g) for r, g in (("forward", forward), ("backward", backward)) if g]
+        pairs = (("forward", forward), ("backward", backward))
+        graphs = [(role, graph) for role, graph in pairs if graph is not None]
         if self._failed:
             return None
         sent = 0
@@ -696,11 +702,8 @@ class Lowerer:
                     log.debug("%s: lowered in this process: promotion failed (%s)", cls, exc)
                     kept = False
                     break
-                if self._names is None:
-                    self._read_count(wait=True)
-                    if self._failed:
-                        return None
-                    self._names = self._receive()  # the child's first answer, not read yet
+                if not self._read_names():
+                    return None
                 self._child.send((cls, role, encoded, k == len(graphs) - 1), TIMEOUT_SECONDS)
                 sent += 1
             if kept and meanwhile is not None:

@@ -53,8 +53,25 @@ def test_a_non_contiguous_feed_is_read_as_its_values() -> None:
     assert torch.equal(y, x + 1)
 
 
-def test_a_kept_value_reads_in_place_updates_and_a_replaced_tensor_is_wrapped_again() -> None:
+def test_a_feed_reads_in_place_updates_and_a_replaced_tensor() -> None:
+    program = _program(rank=1)
+    w = torch.zeros(3)
+    program.run([w])
+    w.add_(2)  # an optimizer step: same memory
+    (y,) = program.run([w])
+    assert torch.equal(y, torch.full((3,), 3.0))
+    w = torch.ones(3)  # new memory
+    (y,) = program.run([w])
+    assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_a_kept_value_reads_in_place_updates_and_a_replaced_tensor_is_wrapped_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     program, kept = _program(rank=1), dlpack.KeptValues([0])
+    # kept values serve feeds that go through DLPack: every feed on the training build, CUDA
+    # tensors on the inference build (whose CPU feeds go by address)
+    monkeypatch.setattr(dlpack, "_CPU", None)
     w = torch.zeros(3)
     program.run([w], kept)
     first = kept.values[0][4]
@@ -64,6 +81,83 @@ def test_a_kept_value_reads_in_place_updates_and_a_replaced_tensor_is_wrapped_ag
     w = torch.ones(3)  # new memory
     (y,) = program.run([w], kept)
     assert torch.equal(y, torch.full((3,), 2.0)) and kept.values[0][4] is not first
+
+
+def _graph(nodes: list[onnx.NodeProto], inputs: list[str], outputs: list[str]) -> bytes:
+    """Float32 inputs and outputs of any shape."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in inputs],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in outputs],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8
+    ).SerializeToString()
+
+
+def _runnable(model: bytes) -> session.RunnableSession:
+    dlpack.use_inference_dlpack()
+    device = torch.device("cpu")
+    made, _ = session.create(model, device, session.SessionSettings(threads=1), "Test", False)
+    return session.RunnableSession.of(made, device, None)
+
+
+def test_feeds_by_address_and_through_dlpack_keep_their_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a - b - c - d: any feed out of place changes the numbers
+    program = _runnable(
+        _graph(
+            [
+                helper.make_node("Sub", ["a", "b"], ["ab"]),
+                helper.make_node("Sub", ["ab", "c"], ["abc"]),
+                helper.make_node("Sub", ["abc", "d"], ["y"]),
+            ],
+            ["a", "b", "c", "d"],
+            ["y"],
+        )
+    )
+    a = torch.arange(6.0).reshape(2, 3)
+    b = torch.arange(6.0).reshape(3, 2).t() * 10  # not dense: through DLPack, as a copy
+    c = torch.full((2, 3), 100.0)
+    d = torch.full((1,), 1000.0)
+    assert c.is_contiguous() and not b.is_contiguous()
+    runs: list[tuple[int, int]] = []
+    by_address = dlpack._by_address
+
+    def spied(vector: object, tensors: list[torch.Tensor], start: int) -> int:
+        stop = by_address(vector, tensors, start)
+        runs.append((start, stop))
+        return stop
+
+    monkeypatch.setattr(dlpack, "_by_address", spied)
+    (y,) = program.run([a, b, c, d])
+    assert torch.equal(y, a - b - c - d)
+    # the inference build: a, then c and d, by address; the training build: all by DLPack
+    assert runs == ([(0, 1), (2, 4)] if dlpack._CPU is not None else [])
+
+
+def test_an_empty_feed_is_read_as_empty() -> None:
+    (y,) = _program().run([torch.zeros(0, 3)])
+    assert y.shape == (0, 3)
+
+
+@pytest.mark.parametrize("op", ["Identity", "Reshape", "Flatten"])
+def test_an_output_never_shares_a_feeds_memory(op: str) -> None:
+    """Feeds by address are not owned by ORT: an output aliasing one would read freed memory
+    once the caller dropped it. ORT copies such outputs; this holds it to that."""
+    nodes = [helper.make_node(op, ["x", "shape"] if op == "Reshape" else ["x"], ["y"])]
+    inputs = ["x"]
+    if op == "Reshape":
+        shape = helper.make_tensor("s", onnx.TensorProto.INT64, [1], [-1])
+        nodes.insert(0, helper.make_node("Constant", [], ["shape"], value=shape))
+    program = _runnable(_graph(nodes, inputs, ["y"]))
+    x = torch.arange(12.0).reshape(3, 4)
+    (y,) = program.run([x])
+    assert y.data_ptr() != x.data_ptr()
+    x.fill_(-1.0)
+    assert torch.equal(y.reshape(3, 4), torch.arange(12.0).reshape(3, 4))
 
 
 def test_a_size_one_dim_with_odd_strides_is_made_dense_for_ort() -> None:

@@ -237,6 +237,31 @@ def test_a_gradient_the_graph_makes_larger_than_rounding_noise_is_a_mismatch() -
         _verify_leak(1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_difference_is_measured_as_float64_measures_it(dtype: torch.dtype) -> None:
+    """The comparison takes differences in the tensors' own precision (float32 at least):
+    the same numbers, to float32's rounding of the difference, as in float64."""
+    gen = torch.Generator().manual_seed(0)
+    expected = torch.randn(1000, generator=gen).to(dtype)
+    nudge = 8 * torch.finfo(dtype).eps * torch.randn(1000, generator=gen).double()
+    actual = (expected.double() * (1 + nudge)).to(dtype)
+    diff, rel, beyond = verify._difference(actual, expected)
+    exact = float((actual.double() - expected.double()).abs().max())
+    assert diff == pytest.approx(exact, rel=1e-6) and diff > 0
+    assert rel == pytest.approx(exact / float(expected.double().abs().max()), rel=1e-6)
+    assert beyond is (exact > float(expected.double().abs().max()) * verify.RTOL + verify.ATOL)
+    assert verify._difference(expected, expected) == (0.0, 0.0, False)
+
+
+def test_a_nan_is_infinitely_far_and_a_complex_difference_counts_its_imaginary_part() -> None:
+    expected = torch.ones(4)
+    diff, _, beyond = verify._difference(torch.tensor([1.0, float("nan"), 1.0, 1.0]), expected)
+    assert diff == float("inf") and beyond
+    z = torch.ones(3, dtype=torch.complex64)
+    diff, _, beyond = verify._difference(z + 1j, z)
+    assert diff == pytest.approx(1.0) and beyond
+
+
 def test_a_wrong_output_is_a_verification_error_and_the_module_is_unchanged() -> None:
     module = torch.nn.Linear(3, 2)
     weight = module.weight.detach().clone()

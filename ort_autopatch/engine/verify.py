@@ -334,7 +334,8 @@ def _spreads(
             for k, (a, e) in enumerate(zip(new, old, strict=True)):
                 if a is None or e is None or a.shape != e.shape:
                     continue
-                spreads[k] = max(spreads[k], float((a.double() - e.double()).abs().max()))
+                # a NaN moved nothing measurable: it widens no spread
+                spreads[k] = max(spreads[k], _distance(a, e, nan=0.0))
     return outputs, gradients
 
 
@@ -505,8 +506,8 @@ def _compare(
     return result
 
 
-def _distance(actual: torch.Tensor, exact: torch.Tensor) -> float:
-    """max|actual - exact| (NaN as infinitely far).
+def _distance(actual: torch.Tensor, exact: torch.Tensor, nan: float = float("inf")) -> float:
+    """max|actual - exact|, `nan` where any element's difference is NaN.
 
     In the wider of the two dtypes, float32 at least: the difference of two close float32
     values is exact in float32 (Sterbenz), and a far one is beyond any tolerance either way.
@@ -521,7 +522,7 @@ def _distance(actual: torch.Tensor, exact: torch.Tensor) -> float:
         return 0.0
     difference = torch.sub(a, e)
     largest = float((difference.abs() if difference.is_complex() else difference.abs_()).max())
-    return float("inf") if largest != largest else largest  # NaN: any NaN
+    return nan if largest != largest else largest  # max is NaN where any element is
 
 
 #: floating types whose differences are taken in float32 (`_distance`)

@@ -5,6 +5,7 @@ whatever the child cannot take or fails at is lowered here instead."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -111,6 +112,65 @@ def test_the_child_lowers_a_capture_to_the_bytes_lowering_here_gives(name: str) 
     assert there.forward == here.forward
     assert there.backward == here.backward
     assert there == here  # the output plans and what sessions need to know, too
+
+
+def _lowered_where(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Which process lowered each graph of the next `Lowerer.lower` (by role; to be called
+    before the child is forked, which inherits the tagging)."""
+    from ort_autopatch.engine.backends.ort import lowered
+
+    lower_graph, of = lowered.lower_graph, lowered.Graphs.of
+    where: dict[str, int] = {}
+
+    def tagged(*args: Any, **kwargs: Any) -> Any:
+        part = lower_graph(*args, **kwargs)
+        part.lowered_in = os.getpid()
+        return part
+
+    def recorded(parts: list[Any]) -> Any:
+        where.update({part.role: part.lowered_in for part in parts})
+        return of(parts)
+
+    monkeypatch.setattr(lowered, "lower_graph", tagged)
+    monkeypatch.setattr(lowered.Graphs, "of", recorded)
+    return where
+
+
+@pytest.mark.parametrize("grandchild", ["lowers", "dies"])
+def test_a_large_backward_is_lowered_in_a_second_child_beside_forward(
+    monkeypatch: pytest.MonkeyPatch, grandchild: str
+) -> None:
+    from ort_autopatch.engine.backends.ort import lowered, offload
+
+    torch.manual_seed(0)
+    module, args = _transformer()
+    sent, kept = _captured(module, *args), _captured(module, *args)
+    monkeypatch.setattr(offload, "ASIDE_NODES", 1)  # this layer's backward counts as large
+    where = _lowered_where(monkeypatch)
+    if grandchild == "dies":
+        here = os.getpid()
+        lower_graph = lowered.lower_graph
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            if here not in (os.getpid(), os.getppid()):  # the grandchild: its child takes over
+                os._exit(3)
+            return lower_graph(*args, **kwargs)
+
+        monkeypatch.setattr(lowered, "lower_graph", dying)
+    lowerer = offload.Lowerer.spawn()
+    assert lowerer is not None
+    try:
+        there = lowerer.lower(sent.forward, sent.backward, "M")
+        child, by = lowerer._child.pid, dict(where)
+    finally:
+        lowerer.close()
+    assert there is not None, "the children lowered nothing"
+    assert there == lowered.lower_graphs(kept.forward, kept.backward, "M")
+    assert by["forward"] == child
+    if grandchild == "lowers":
+        assert by["backward"] not in (child, os.getpid()), "backward was not lowered aside"
+    else:
+        assert by["backward"] == child
 
 
 def test_the_childs_operator_names_give_the_decomposition_table_of_this_process(

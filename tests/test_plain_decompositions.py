@@ -40,8 +40,15 @@ def _pair(value: int | tuple[int, ...], dims: int) -> list[int]:
     return list(value) if isinstance(value, tuple) else [value] * dims
 
 
+@pytest.mark.parametrize("patches", ["channels_last", "channels_first"])
 @pytest.mark.parametrize("case", CONVOLUTIONS, ids=lambda c: "-".join(map(str, c)))
-def test_convolution_backward_equals_atens(case: tuple) -> None:
+def test_convolution_backward_equals_atens(
+    case: tuple, patches: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of taking the weight's patches, whatever the channels (channels first
+    serves few channels and one group: `_narrow_weight_gradient`)."""
+    narrow = 1_000 if patches == "channels_first" else 0
+    monkeypatch.setattr(windows, "_NARROW_CHANNELS", narrow)
     dims, cin, cout, kernel, stride, padding, dilation, groups, transposed, extra = case
     kernel, stride, padding, dilation = (
         _pair(v, dims) for v in (kernel, stride, padding, dilation)

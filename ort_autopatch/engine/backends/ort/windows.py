@@ -126,6 +126,8 @@ def _weight_gradient(
     batch, channels = source.shape[0], source.shape[1]
     out_channels = target.shape[1]
     outer = list(target.shape[2:])
+    if groups == 1 and type(channels) is int and channels < _NARROW_CHANNELS:
+        return _narrow_weight_gradient(source, target, kernel, stride, padding, dilation)
     # Channels last: every patch is then a slice of whole channel rows (ORT copies those as
     # blocks; strided slices of NCHW's last axis it copied element by element, and stacking
     # (B, C, 1, ...) pieces moved blocks of a few floats: slices, stack and pad took 2 to 4
@@ -167,6 +169,58 @@ def _weight_gradient(
     grad = aten.bmm(rows, cols)  # (groups, out / groups, kernel positions * in / groups)
     grad = grad.reshape(out_channels, *kernel, per_group)
     return grad.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
+
+
+#: Below this many input channels a convolution's weight gradient takes its patches from the
+#: channels-first input (`_narrow_weight_gradient`).
+_NARROW_CHANNELS = 16
+
+
+def _narrow_weight_gradient(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    """`_weight_gradient` for a source of few channels (an image's 3) and one group, its
+    patches cut from the channels-first source.
+
+    Channels last, each patch row is a few floats, and ORT moved the patches' slices and
+    their concatenation a few floats at a time (a CNN's first layer: 9 slices of (8, 32, 32,
+    3)). Channels first, every slice copies rows of the image and the patches stack along a
+    leading axis, in blocks of a whole image plane: (channels x kernel positions, batch x
+    positions) by the target's (out channels, batch x positions), contracted over both."""
+    dims = source.dim() - 2
+    batch, channels = source.shape[0], source.shape[1]
+    out_channels = target.shape[1]
+    outer = list(target.shape[2:])
+    pads: list[int] = []
+    for d in reversed(range(dims)):
+        pads += [padding[d], padding[d]]
+    padded = aten.constant_pad_nd(source, pads, 0.0) if any(padding) else source
+    patches = []
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        patch = padded
+        for d in range(dims):
+            start = offsets[d] * dilation[d]
+            end = start + (outer[d] - 1) * stride[d] + 1
+            size = patch.shape[2 + d]
+            whole = start == 0 and stride[d] == 1 and type(end) is int and type(size) is int
+            if not (whole and end == size):  # not the window spanning the whole dimension
+                patch = aten.slice(patch, 2 + d, start, end, stride[d])
+        patches.append(patch)
+    positions = math.prod(outer)
+    count = len(patches)
+    # (batch, channels, kernel positions, positions) -> (channels, kernel positions, batch,
+    # positions): the order of the weight's own dims, so the product needs no permute after
+    cols = torch.stack(patches, 2).reshape(batch, channels * count, positions)
+    cols = cols.permute(1, 0, 2).reshape(channels * count, batch * positions)
+    rows = target.reshape(batch, out_channels, positions).permute(1, 0, 2)
+    rows = rows.reshape(out_channels, batch * positions)
+    grad = aten.mm(rows, cols.t())  # (out, channels x kernel positions)
+    return grad.reshape(out_channels, channels, *kernel)
 
 
 def _window_sums(

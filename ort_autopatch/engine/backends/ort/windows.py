@@ -133,10 +133,7 @@ def _weight_gradient(
     # (B, C, 1, ...) pieces moved blocks of a few floats: slices, stack and pad took 2 to 4
     # times the product's time on a DCGAN's layers).
     last = aten.permute(source, [0, *range(2, dims + 2), 1])
-    pads: list[int] = [0, 0]
-    for d in reversed(range(dims)):
-        pads += [padding[d], padding[d]]
-    padded = aten.constant_pad_nd(last, pads, 0.0) if any(padding) else last
+    padded = aten.constant_pad_nd(last, [0, 0, *_pads(padding)], 0.0) if any(padding) else last
     # slices by leading kernel offsets, each taken once (a 3x3 kernel: 3 + 9 slices, not 18)
     sliced: dict[tuple[int, ...], torch.Tensor] = {(): padded}
     for offsets in itertools.product(*(range(k) for k in kernel)):
@@ -171,6 +168,11 @@ def _weight_gradient(
     return grad.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
 
 
+def _pads(padding: list[int]) -> list[int]:
+    """`constant_pad_nd`'s pads for `padding` on each spatial dim (last dim first)."""
+    return [p for size in reversed(padding) for p in (size, size)]
+
+
 #: Below this many input channels a convolution's weight gradient takes its patches from the
 #: channels-first input (`_narrow_weight_gradient`).
 _NARROW_CHANNELS = 16
@@ -192,18 +194,13 @@ def _narrow_weight_gradient(
     3)). Channels first, every slice copies rows of the image and the patches stack along a
     leading axis, in blocks of a whole image plane: (channels x kernel positions, batch x
     positions) by the target's (out channels, batch x positions), contracted over both."""
-    dims = source.dim() - 2
-    batch, channels = source.shape[0], source.shape[1]
-    out_channels = target.shape[1]
-    outer = list(target.shape[2:])
-    pads: list[int] = []
-    for d in reversed(range(dims)):
-        pads += [padding[d], padding[d]]
-    padded = aten.constant_pad_nd(source, pads, 0.0) if any(padding) else source
+    batch, channels = source.shape[:2]
+    out_channels, outer = target.shape[1], list(target.shape[2:])
+    padded = aten.constant_pad_nd(source, _pads(padding), 0.0) if any(padding) else source
     patches = []
     for offsets in itertools.product(*(range(k) for k in kernel)):
         patch = padded
-        for d in range(dims):
+        for d in range(len(kernel)):
             start = offsets[d] * dilation[d]
             end = start + (outer[d] - 1) * stride[d] + 1
             size = patch.shape[2 + d]

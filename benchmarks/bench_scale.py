@@ -68,6 +68,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import copy
 import importlib.util
+import itertools
 import json
 import platform
 import resource
@@ -403,8 +404,12 @@ def _profiled_child(name: str, batch: int, tiny: bool, backend: str) -> dict[str
     original = session._session_options
     with tempfile.TemporaryDirectory(prefix="bench_scale-profile-") as folder:
 
+        made = itertools.count()
+
         def profiled(settings: Any, training: bool) -> Any:
-            prefix = os.path.join(folder, "ort")
+            # a prefix of its own per session: ORT names the file by the millisecond the
+            # session starts, and two sessions started within one wrote into one file
+            prefix = os.path.join(folder, f"ort{next(made)}")
             return original(dataclasses.replace(settings, profile_prefix=prefix), training)
 
         session._session_options = profiled

@@ -134,7 +134,7 @@ def _by_address(vector: Any, tensors: Sequence[torch.Tensor], start: int) -> int
     A DLPack capsule and ORT's value made from it cost about 2 us a tensor, a batch entry
     (address, shape, type) under 1 (a small CNN's step feeds 21 tensors). The entry does not
     own the memory: `push`'s caller holds the tensors through the run, and ORT copies an
-    output that would alias a graph input (`test_dlpack`). Not by address: a tensor on
+    output that would alias a graph input (`test_run_plumbing`). Not by address: a tensor on
     another device, of a type numpy has no name for, not dense (its dense copy must be owned),
     empty (no address), or with a negation pending (`is_neg`: its memory holds the other
     sign)."""

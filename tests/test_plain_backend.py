@@ -144,6 +144,155 @@ def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
     assert torch.equal(gm(x), reduce(x) * 2)
 
 
+def _pads_of_parts(sizes: tuple[int, ...], dim: int, widths: list[int], order: list[int]):
+    """A function summing, in `order`, the zero pads that put parts of `widths` side by side
+    along `dim` of a tensor of `sizes` (what `select_backward` and `slice_backward` write
+    for the parts' gradients), and the parts."""
+    aten = torch.ops.aten
+    rank, starts = len(sizes), [sum(widths[:k]) for k in range(len(widths))]
+    parts = [torch.randn(*sizes[:dim], w, *sizes[dim + 1 :]) for w in widths]
+
+    def summed(*parts: torch.Tensor) -> torch.Tensor:
+        total = None
+        for k in order:
+            pads = [0, 0] * (rank - 1 - dim) + [starts[k], sizes[dim] - starts[k] - widths[k]]
+            padded = aten.constant_pad_nd(parts[k], pads, 0.0)
+            total = padded if total is None else total + padded
+        return total * 2
+
+    return summed, parts
+
+
+_TILINGS = [
+    ((3,), 0, [1, 1, 1], [0, 1, 2]),  # select_backward of q, k, v: widths of one
+    ((3, 5), 0, [1, 1, 1], [2, 0, 1]),  # summed in another order than their places
+    ((4, 6), 1, [2, 3, 1], [1, 2, 0]),  # slices of several widths
+    ((2, 3, 4), 0, [1, 1], [0, 1]),
+    ((2, 3, 4), 1, [1, 2], [1, 0]),
+    ((2, 3, 4), 2, [1, 1, 1, 1], [3, 1, 0, 2]),
+    ((3, 2, 4, 5), 0, [1, 1, 1], [0, 1, 2]),
+    ((2, 3, 4, 6), 3, [2, 2, 2], [0, 2, 1]),  # chunk(3, -1) of a fused projection
+]
+
+
+@pytest.mark.parametrize(("sizes", "dim", "widths", "order"), _TILINGS)
+def test_pads_of_parts_tiling_a_dimension_are_summed_as_one_cat(
+    sizes: tuple[int, ...], dim: int, widths: list[int], order: list[int]
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    summed, parts = _pads_of_parts(sizes, dim, widths, order)
+    gm = make_fx(summed)(*parts)
+    fx_passes.pads_summed_into_cat(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    aten = torch.ops.aten
+    assert aten.constant_pad_nd.default not in targets and aten.add.Tensor not in targets
+    assert targets.count(aten.cat.default) == 1
+    assert torch.equal(gm(*parts), summed(*parts))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "dim", "widths", "starts"),
+    [
+        ((4, 6), 1, [3, 4], [0, 2]),  # the parts overlap: their sum is no cat
+        ((4, 6), 1, [2, 3], [0, 3]),  # a gap of zeros between them
+        ((4, 6), 1, [2, 3], [1, 3]),  # zeros before the first
+    ],
+)
+def test_pads_that_overlap_or_leave_gaps_stay_a_sum(
+    sizes: tuple[int, ...], dim: int, widths: list[int], starts: list[int]
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    aten = torch.ops.aten
+    parts = [torch.randn(*sizes[:dim], w, *sizes[dim + 1 :]) for w in widths]
+
+    def summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        rest = [0, 0] * (len(sizes) - 1 - dim)
+        pads = [[*rest, s, sizes[dim] - s - w] for s, w in zip(starts, widths, strict=True)]
+        return aten.constant_pad_nd(a, pads[0], 0.0) + aten.constant_pad_nd(b, pads[1], 0.0)
+
+    gm = make_fx(summed)(*parts)
+    fx_passes.pads_summed_into_cat(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.cat.default not in targets and targets.count(aten.constant_pad_nd.default) == 2
+    assert torch.equal(gm(*parts), summed(*parts))
+
+
+@pytest.mark.parametrize(
+    ("summed", "shapes"),
+    [
+        (  # padded with ones, not zeros
+            lambda a, b: torch.ops.aten.constant_pad_nd(a, [0, 1], 1.0)
+            + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0),
+            [(2, 1), (2, 1)],
+        ),
+        (  # the two pads move different dimensions
+            lambda a, b: torch.ops.aten.constant_pad_nd(a, [0, 1, 0, 0], 0.0)
+            + torch.ops.aten.constant_pad_nd(b, [0, 0, 1, 0], 0.0),
+            [(2, 1), (1, 2)],
+        ),
+        (  # a pad read elsewhere too
+            lambda a, b: (p := torch.ops.aten.constant_pad_nd(a, [0, 1], 0.0))
+            + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0)
+            + p.sum(),
+            [(2, 1), (2, 1)],
+        ),
+        (  # one part broadcast over the other's rows
+            lambda a, b: torch.ops.aten.constant_pad_nd(a, [0, 1], 0.0)
+            + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0),
+            [(2, 1), (1, 1)],
+        ),
+    ],
+)
+def test_pads_that_are_not_a_tiling_of_zeros_stay_a_sum(
+    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shapes: list[tuple[int, ...]],
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    a, b = (torch.randn(*shape) for shape in shapes)
+    gm = make_fx(summed)(a, b)
+    fx_passes.pads_summed_into_cat(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cat.default not in targets
+    assert torch.equal(gm(a, b), summed(a, b))
+
+
+class _SplitProjection(nn.Module):
+    """q, k and v from one projection, taken by indexing as attention layers take them."""
+
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.split = split
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        proj = self.qkv(x)
+        if self.split == "select":  # nn.MultiheadAttention's packed projection: proj[0], ...
+            proj = proj.unflatten(-1, (3, 8)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+            q, k, v = proj[0], proj[1], proj[2]
+        else:  # slices of the last dimension
+            q, k, v = proj[..., :8], proj[..., 8:16], proj[..., 16:]
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+@pytest.mark.parametrize("split", ["select", "slice"])
+def test_the_gradient_of_a_split_projection_is_one_concat(split: str) -> None:
+    import onnx
+
+    plain = _train_like_eager(_SplitProjection(split), lambda: (torch.randn(2, 5, 8),), steps=2)
+    assert plain.lowered.backward is not None
+    ops = [node.op_type for node in onnx.load_from_string(plain.lowered.backward).graph.node]
+    assert "Pad" not in ops and "Concat" in ops
+
+
 def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:
     import onnx
 

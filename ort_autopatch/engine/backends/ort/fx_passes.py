@@ -189,3 +189,118 @@ def int64_indices(gm: torch.fx.GraphModule) -> None:
         node.args = (node.args[0], indices, *node.args[2:])
     if changed:
         gm.recompile()
+
+
+def _pad_span(node: Any, rank: int) -> tuple[int, int, int, int] | None:
+    """(dim, start, end, size) of the place a zero `constant_pad_nd` puts its input along the
+    one dimension it pads, of a static size, when the pads are plain non-negative integers;
+    else None."""
+    if node.op != "call_function" or node.target is not _aten.constant_pad_nd.default:
+        return None
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    pads = node.args[1]
+    padded = node.meta.get("val")
+    if value != 0 or not isinstance(padded, torch.Tensor) or padded.dim() != rank:
+        return None
+    if not all(type(p) is int and p >= 0 for p in pads) or len(pads) % 2:
+        return None
+    spans = [(rank - 1 - k, pads[2 * k], pads[2 * k + 1]) for k in range(len(pads) // 2)]
+    moved = [span for span in spans if span[1] or span[2]]
+    if len(moved) != 1:
+        return None
+    dim, before, after = moved[0]
+    size = padded.shape[dim]
+    if type(size) is not int:
+        return None
+    return dim, before, size - after, size
+
+
+def _is_add(node: Any) -> bool:
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target is _aten.add.Tensor
+        and "alpha" not in node.kwargs
+    )
+
+
+def _summed_terms(root: torch.fx.Node) -> tuple[list[torch.fx.Node], list[Any]] | None:
+    """The adds of the sum `root` heads (itself first, each after its user) and its terms,
+    when no add or term of it is read elsewhere."""
+    adds, terms, pending = [root], [], list(root.args[:2])
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+            return None
+        if _is_add(node):
+            adds.append(node)
+            pending.extend(node.args[:2])
+        else:
+            terms.append(node)
+    return adds, terms
+
+
+def _tiling(terms: list[Any], value: torch.Tensor) -> tuple[int, list[Any]] | None:
+    """The dimension and the pads in their order along it, when `terms` are zero pads of
+    `value`'s shape and type that place their inputs side by side along one dimension,
+    covering it exactly."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    placed = []
+    for term in terms:
+        span = _pad_span(term, value.dim())
+        if span is None:
+            return None
+        padded = term.meta["val"]
+        if padded.dtype != value.dtype or not all(
+            statically_known_true(a == b) for a, b in zip(padded.shape, value.shape, strict=True)
+        ):
+            return None
+        placed.append((span, term))
+    if len(placed) < 2 or len({(dim, size) for (dim, _, _, size), _ in placed}) != 1:
+        return None
+    placed.sort(key=lambda item: item[0][1])
+    dim, _, _, size = placed[0][0]
+    end = 0
+    for (_, start, stop, _), _ in placed:
+        if start != end:
+            return None  # a gap, or an overlap
+        end = stop
+    if end != size:
+        return None
+    return dim, [term for _, term in placed]
+
+
+def pads_summed_into_cat(gm: torch.fx.GraphModule) -> None:
+    """A sum of zero pads that put their inputs side by side along one dimension, tiling it
+    exactly (the gradient of a tensor split into parts: `select_backward` and
+    `slice_backward` of q, k and v taken from one projection, as `decompositions` writes
+    them), becomes one `cat` of the inputs: ONNX Runtime ran the pads and the adds as full
+    passes over the whole tensor each (2 ms of a transformer layer's 70 ms backward), a Concat
+    is one. Every element of the sum is one input's element plus zeros, so the numbers are the
+    same (a -0.0 stays -0.0 where the sum made it +0.0). Parts that overlap, leave a gap,
+    broadcast or pad more than one dimension are left as they are."""
+    erased: set[torch.fx.Node] = set()
+    for root in list(gm.graph.nodes):
+        if not _is_add(root) or root in erased:
+            continue
+        if len(root.users) == 1 and _is_add(next(iter(root.users))):
+            continue  # a part of a larger sum: rewritten from its root
+        value = root.meta.get("val")
+        summed = _summed_terms(root)
+        if not isinstance(value, torch.Tensor) or summed is None:
+            continue
+        adds, terms = summed
+        tiling = _tiling(terms, value)
+        if tiling is None:
+            continue
+        dim, pads = tiling
+        with gm.graph.inserting_before(root):
+            cat = gm.graph.call_function(_aten.cat.default, ([pad.args[0] for pad in pads], dim))
+        cat.meta = dict(root.meta)
+        root.replace_all_uses_with(cat)
+        for node in [*adds, *pads]:
+            gm.graph.erase_node(node)  # the root first: each node's user is gone before it
+            erased.add(node)
+    if erased:
+        gm.recompile()

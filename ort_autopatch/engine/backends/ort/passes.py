@@ -105,6 +105,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     ),
     Pass("drop_regenerated", _drop_regenerated, lambda g: bool(g.captured.regenerated)),
     Pass("sums_without_kept_dims", _each(fx_passes.sums_without_kept_dims)),
+    Pass("pads_summed_into_cat", _each(fx_passes.pads_summed_into_cat)),
     Pass("int64_indices", _each(fx_passes.int64_indices)),
     Pass("expand_numel", _each(symbolic.expand_numel), lambda g: g.symbolic),
 )

@@ -231,6 +231,83 @@ def test_adaptive_avg_pool2d_over_channels_last_traces_without_re_striding() -> 
     assert "as_strided" in traced()
 
 
+def _attention_scores(sizes: tuple[int, ...], dim: int, kind: torch.dtype) -> torch.Tensor:
+    """Scores with every kind of row along `dim`: all -inf, partly -inf, a NaN among -inf, a
+    NaN among numbers, +inf, and plain numbers."""
+    scores = torch.randn(sizes, dtype=kind)
+    if not scores.dim() or not scores.numel():
+        return scores
+    rows = scores.movedim(dim, -1).reshape(-1, sizes[dim])
+    kinds = [
+        lambda row: row.fill_(-math.inf),
+        lambda row: row[: max(1, len(row) // 2)].fill_(-math.inf),
+        lambda row: (row.fill_(-math.inf), row[0].fill_(math.nan)),
+        lambda row: row[-1].fill_(math.nan),
+        lambda row: row[0].fill_(math.inf),
+    ]
+    for row, kind in zip(rows, kinds, strict=False):
+        kind(row)
+    shape = [s for k, s in enumerate(sizes) if k != dim % len(sizes)] + [sizes[dim]]
+    return rows.reshape(shape).movedim(-1, dim).contiguous()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "dim"),
+    [
+        ((), 0),
+        ((5,), 0),
+        ((6, 4), 0),
+        ((6, 4), 1),
+        ((3, 2, 4), -1),
+        ((3, 4, 2), 1),
+        ((2, 3, 6, 5), -1),  # (batch, heads, queries, keys)
+        ((2, 3, 6, 5), 0),
+        ((2, 0, 4), -1),  # no rows
+        ((2, 4, 0), -1),  # empty rows: torch's own decomposition
+    ],
+)
+@pytest.mark.parametrize("kind", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_safe_softmax_equals_atens(
+    sizes: tuple[int, ...], dim: int, kind: torch.dtype, dtype: torch.dtype | None
+) -> None:
+    scores = _attention_scores(sizes, dim, kind)
+    expected = aten._safe_softmax(scores, dim, dtype)
+    got = decompositions.safe_softmax(scores, dim, dtype)
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0)
+
+
+def test_safe_softmax_runs_in_the_plain_backend_as_one_reduce_max() -> None:
+    """Attention on the math kernel (as with dropout) through the plain backend: eager's
+    numbers, and its rows of -inf found by a ReduceMax, not a ReduceMin over an int64 cast."""
+    import onnx.inliner
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
+
+    if not PLAIN_READY:
+        pytest.skip(SKIP_REASON)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+            mask[0] = False  # the first query sees no key: a row of -inf
+            with sdpa_kernel(SDPBackend.MATH):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    plain = PlainCall(Attention(), q, k, v)
+    out = plain(q, k, v)
+    assert ran_in_plain_ort(out)
+    expected = Attention()(q, k, v)
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (q, k, v)))
+    forward = onnx.inliner.inline_local_functions(onnx.load_from_string(plain.lowered.forward))
+    ops = [node.op_type for node in forward.graph.node]
+    assert "ReduceMax" in ops and "ReduceMin" not in ops
+
+
 @pytest.mark.parametrize(("dim", "index"), [(0, 0), (1, 2), (-1, -1), (2, 1)])
 def test_select_backward_equals_atens(dim: int, index: int) -> None:
     sizes = [3, 4, 5]

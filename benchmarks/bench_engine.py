@@ -5,17 +5,20 @@
                                       [--models mlp,transformer,transformer_p0,cnn]
                                       [--backend ort-training|ort] [--output PATH]
 
-A step is forward + loss + backward + AdamW step. Eager and engine steps are interleaved in one
-process (so both see the same machine load), in pairs whose order alternates, and the medians of
-at least `--steps` pairs and `--min-seconds` after `--warmup` untimed pairs are reported, with
-their ratio and the median of the per-pair ratios, at each `--threads` count
-(torch.set_num_threads; the engine's ORT sessions follow it). The first call (export + gradient
-build + session + the first step) is measured in fresh subprocesses of this script, so ONNX
-Runtime's import and the exporter's first-use warm-up are counted as a user pays them: the
-median of `--fresh-runs` processes, each engine process followed by an eager one (a single
-process is at the mercy of the machine: 0.25 to 0.58 s for one commit at load 1); the first
-call of a second model instance in the already-warm main process is reported as well. Peak RSS
-comes from the median fresh subprocesses (eager-only and engine), so the two are comparable.
+A step is forward + loss + backward + AdamW step. Eager and the engine each run in a fresh
+process of their own (as a user runs one or the other) and take steps in turn (so both see the
+same machine load), in pairs whose order alternates; the medians of at least `--steps` pairs
+and `--min-seconds` after `--warmup` untimed pairs are reported, with their ratio and the
+median of the per-pair ratios, at each `--threads` count (torch.set_num_threads; the engine's
+ORT sessions follow it). The same pairs interleaved in this one process follow, as
+`same_process` (sharing a process, the two sides change each other's allocator: `lockstep`).
+The first call (export + gradient build + session + the first step) is measured in fresh
+subprocesses of this script, so ONNX Runtime's import and the exporter's first-use warm-up are
+counted as a user pays them: the median of `--fresh-runs` processes, each engine process
+followed by an eager one (a single process is at the mercy of the machine: 0.25 to 0.58 s for
+one commit at load 1); the first call of a second model instance in the already-warm main
+process is reported as well. Peak RSS comes from the median fresh subprocesses (eager-only and
+engine), so the two are comparable.
 
 `--backend` picks the engine's backend (EngineOptions.backend): the training build by default;
 `benchmarks/bench_plain.py` is this benchmark on the plain backend (`ort`), in the environment
@@ -229,6 +232,103 @@ def fresh_runs(model_name: str, runs: int, backend: str) -> dict[str, Any]:
     return chosen
 
 
+# --- lockstep: each side in a process of its own, steps taken in turn ------------------------
+def lockstep_child(model_name: str, side: str, threads: int, backend: str) -> int:
+    """One side's process for `lockstep`: its first step (the build), then "ready"; a step per
+    line read, each answered with its seconds; at "done", a JSON line of its builds."""
+    torch.set_num_threads(threads)
+    model, inputs, loss_fn = MODELS[model_name]()
+    call: Any = _engine(model, backend) if side == "engine" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _step(call, opt, inputs, loss_fn)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "done":
+            break
+        start = time.perf_counter()
+        _step(call, opt, inputs, loss_fn)
+        print(time.perf_counter() - start, flush=True)
+    builds = call.builds if side == "engine" else 0
+    print(json.dumps({"builds": builds}), flush=True)
+    return 0
+
+
+def lockstep(
+    model_name: str, steps: int, warmup: int, min_seconds: float, backend: str, threads: int
+) -> dict[str, Any]:
+    """Eager and the engine each in a fresh process of its own, as a user runs one or the
+    other, taking steps in turn (pairs whose order alternates) so that both see the same
+    moment of the machine: `interleaved`'s pairs without sharing a process.
+
+    Why not one process: the two sides share its allocator, and each changes what the other
+    pays. ONNX Runtime's first large allocation raises glibc's threshold for serving large
+    blocks from fresh pages, so the bench MLP's eager steps in a process where the engine has
+    run took 1.81 ms with 28 page faults a step, and 2.39 ms with 480 in a process of their
+    own (2026-12-05, 1 thread): the process a user runs eagerly is the second one."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, str(Path(__file__).resolve()), "--backend", backend]
+    sides = ("eager", "engine")
+    procs = {
+        side: subprocess.Popen(
+            [*command, "--lockstep", model_name, side, str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for side in sides
+    }
+
+    def ask(side: str, line: str) -> str:
+        proc = procs[side]
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"lockstep {model_name}/{side} exited ({proc.wait()})")
+        return answer.strip()
+
+    try:
+        for side in sides:
+            out = procs[side].stdout
+            assert out is not None
+            if out.readline().strip() != "ready":
+                raise RuntimeError(f"lockstep {model_name}/{side} failed ({procs[side].wait()})")
+        for _ in range(warmup):
+            for side in sides:
+                ask(side, "step")
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        start, pairs = time.perf_counter(), 0
+        while pairs < steps or time.perf_counter() - start < min_seconds:
+            for side in sides if pairs % 2 == 0 else sides[::-1]:
+                times[side].append(float(ask(side, "step")))
+            pairs += 1
+        builds = json.loads(ask("engine", "done"))["builds"]
+        ask("eager", "done")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    eager_times, engine_times = times["eager"], times["engine"]
+    eager_ms = statistics.median(eager_times) * 1e3
+    engine_ms = statistics.median(engine_times) * 1e3
+    return {
+        "eager_step_ms": eager_ms,
+        "engine_step_ms": engine_ms,
+        "ratio_engine_over_eager": engine_ms / eager_ms,
+        "ratio_pairwise_median": statistics.median(
+            o / e for e, o in zip(eager_times, engine_times, strict=True)
+        ),
+        "steps": pairs,
+        "eager_step_ms_p10_p90": [_pct(eager_times, 10) * 1e3, _pct(eager_times, 90) * 1e3],
+        "engine_step_ms_p10_p90": [_pct(engine_times, 10) * 1e3, _pct(engine_times, 90) * 1e3],
+        "lockstep_builds": builds,
+    }
+
+
 # --- parent: interleaved steady-state steps ---------------------------------------------------
 def interleaved(
     model_name: str, steps: int, warmup: int, min_seconds: float = 0.0, backend: str = "auto"
@@ -331,11 +431,15 @@ def main(
     parser.add_argument("--output", type=Path, default=output)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "SIDE"), help=argparse.SUPPRESS)
     parser.add_argument("--child-steps", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--lockstep", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], args.child_steps, args.backend)))
         return 0
+    if args.lockstep:
+        model_name, side, threads = args.lockstep
+        return lockstep_child(model_name, side, int(threads), args.backend)
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -386,9 +490,12 @@ def main(
         per_threads = {}
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            per_threads[str(threads)] = interleaved(
-                name, args.steps, args.warmup, args.min_seconds, args.backend
+            same = interleaved(name, args.steps, args.warmup, args.min_seconds, args.backend)
+            apart = lockstep(
+                name, args.steps, args.warmup, args.min_seconds, args.backend, threads
             )
+            same_process = {k: same.pop(k) for k in list(apart) if k in same}
+            per_threads[str(threads)] = {**same, **apart, "same_process": same_process}
         torch.set_num_threads(default_threads)
         # the top-level numbers (read by render_report.py) are the default thread count's
         steady = per_threads.get(str(default_threads)) or per_threads[str(thread_counts[-1])]
@@ -399,7 +506,7 @@ def main(
                 t: {
                     k: v
                     for k, v in r.items()
-                    if k.endswith("_ms") or k.startswith("ratio") or k == "steps"
+                    if k.endswith("_ms") or k.startswith("ratio") or k in ("steps", "same_process")
                 }
                 for t, r in per_threads.items()
             },

@@ -72,8 +72,10 @@ def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
     env = training["environment"]
     lines.append("")
     lines.append(
-        "Step time ORT/eager; first call: capture or export, gradient graph, sessions and the "
-        "first step (the `ort` backend's first call also runs eagerly for its check), "
+        "Step time ORT/eager, each side in a process of its own, steps taken in turn (the "
+        "JSON's `same_process`: both in one process); first call: capture or export, "
+        "gradient graph, sessions and the first step (the `ort` backend's first call also "
+        "runs eagerly for its check), "
         f"{_runs(training, plain)}. "
         f"torch {env['torch']}, {env['cpu_count']} CPUs; "
         f"{_source(training, '`engine.json`', 'onnxruntime-training')}; "

@@ -293,6 +293,25 @@ def test_the_gradient_of_a_split_projection_is_one_concat(split: str) -> None:
     assert "Pad" not in ops and "Concat" in ops
 
 
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.GELU, nn.Identity])
+def test_forward_saves_no_reshape_for_backward(activation: type[nn.Module]) -> None:
+    """Linear layers on 3-d inputs reshape their inputs to matrices, and the partitioner saves
+    the reshaped activation for the weight's gradient: forward saves what it reshaped instead
+    (ONNX Runtime copies a Reshape whose output is a graph output), and backward reshapes
+    it again, with eager's gradients. The call's own input stays reshaped: forward may write
+    into an input, and the copy keeps what it read."""
+    import onnx
+
+    model = nn.Sequential(nn.Linear(8, 16), activation(), nn.Linear(16, 4))
+    plain = _train_like_eager(model, lambda: (torch.randn(2, 5, 8, requires_grad=True),))
+    forward = onnx.load_from_string(plain.lowered.forward).graph
+    made_by = {out: node for node in forward.node for out in node.output}
+    inputs = {value.name for value in forward.input}
+    saved = [value.name for value in forward.output[len(plain.lowered.user_outputs) :]]
+    reshaped = [made_by[name] for name in saved if made_by[name].op_type == "Reshape"]
+    assert len(saved) >= 2 and all(node.input[0] in inputs for node in reshaped)
+
+
 def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:
     import onnx
 

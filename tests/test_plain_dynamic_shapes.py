@@ -192,3 +192,34 @@ def test_a_patched_class_traces_its_second_batch_size_with_symbols() -> None:
         assert [r.dynamic for r in records] == [False, True]
     finally:
         patcher.unpatch(Scaled)
+
+
+class _PackedAttention(nn.Module):
+    """q, k and v sliced from one projection, then a linear layer on the 3-d result: the
+    shapes `fx_passes.pads_summed_into_cat` and `save_bases_of_reshapes` rewrite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        proj = self.qkv(x)
+        q, k, v = proj[..., :8], proj[..., 8:16], proj[..., 16:]
+        scores = q @ k.transpose(-2, -1) / 8**0.5
+        return self.out(torch.softmax(scores, dim=-1) @ v)
+
+
+def test_a_packed_projection_with_new_batch_and_length_every_call_has_one_concat() -> None:
+    """The static graph and the one with symbolic sizes both give eager's numbers, and the
+    gradient of the packed projection is a Concat in each (the sliced dimension is static,
+    the others are symbols in the second)."""
+    import onnx
+
+    sizes = [(2, 5), (3, 7), (4, 6), (2, 9)]
+    engine = _train_side_by_side(_PackedAttention, [torch.randn(b, s, 8) for b, s in sizes])
+    assert [r.dynamic for r in engine.records] == [False, True]
+    for entry in engine._cache._entries.values():
+        backward = onnx.load_from_string(entry.program.lowered.backward)
+        ops = [node.op_type for node in backward.graph.node]
+        assert "Pad" not in ops

@@ -227,24 +227,32 @@ def test_pads_that_overlap_or_leave_gaps_stay_a_sum(
     ("summed", "shapes"),
     [
         (  # padded with ones, not zeros
-            lambda a, b: torch.ops.aten.constant_pad_nd(a, [0, 1], 1.0)
-            + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0),
+            lambda a, b: (
+                torch.ops.aten.constant_pad_nd(a, [0, 1], 1.0)
+                + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0)
+            ),
             [(2, 1), (2, 1)],
         ),
         (  # the two pads move different dimensions
-            lambda a, b: torch.ops.aten.constant_pad_nd(a, [0, 1, 0, 0], 0.0)
-            + torch.ops.aten.constant_pad_nd(b, [0, 0, 1, 0], 0.0),
+            lambda a, b: (
+                torch.ops.aten.constant_pad_nd(a, [0, 1, 0, 0], 0.0)
+                + torch.ops.aten.constant_pad_nd(b, [0, 0, 1, 0], 0.0)
+            ),
             [(2, 1), (1, 2)],
         ),
         (  # a pad read elsewhere too
-            lambda a, b: (p := torch.ops.aten.constant_pad_nd(a, [0, 1], 0.0))
-            + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0)
-            + p.sum(),
+            lambda a, b: (
+                (p := torch.ops.aten.constant_pad_nd(a, [0, 1], 0.0))
+                + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0)
+                + p.sum()
+            ),
             [(2, 1), (2, 1)],
         ),
         (  # one part broadcast over the other's rows
-            lambda a, b: torch.ops.aten.constant_pad_nd(a, [0, 1], 0.0)
-            + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0),
+            lambda a, b: (
+                torch.ops.aten.constant_pad_nd(a, [0, 1], 0.0)
+                + torch.ops.aten.constant_pad_nd(b, [1, 0], 0.0)
+            ),
             [(2, 1), (1, 1)],
         ),
     ],
@@ -310,6 +318,42 @@ def test_forward_saves_no_reshape_for_backward(activation: type[nn.Module]) -> N
     saved = [value.name for value in forward.output[len(plain.lowered.user_outputs) :]]
     reshaped = [made_by[name] for name in saved if made_by[name].op_type == "Reshape"]
     assert len(saved) >= 2 and all(node.input[0] in inputs for node in reshaped)
+
+
+def _saved_by(plain: PlainCall) -> list[tuple[str, int]]:
+    """The operator that makes each value forward saves for backward ("feed" for a view of
+    an input: forward may write into the input, so the copy stays), and how many of
+    forward's own nodes read that value."""
+    import onnx
+
+    forward = onnx.load_from_string(plain.lowered.forward).graph
+    made_by = {out: node for node in forward.node for out in node.output}
+    feeds = {value.name for value in forward.input}
+    saved = [value.name for value in forward.output[len(plain.lowered.user_outputs) :]]
+
+    def maker(name: str) -> str:
+        node = made_by.get(name)
+        if node is None or (node.op_type == "Reshape" and node.input[0] in feeds):
+            return "feed"
+        return node.op_type
+
+    return [(maker(name), sum(name in node.input for node in forward.node)) for name in saved]
+
+
+@pytest.mark.parametrize("layout", ["batch_first", "sequence_first"])
+def test_attention_saves_no_copy_transpose_or_reshape_for_backward(layout: str) -> None:
+    """Attention's batched products take transposed operands in backward, which the
+    partitioner saves as transposes, and it saves copies (`clone`, `detach`) and reshapes:
+    ONNX Runtime writes each of those out as a graph output. Forward saves the value they
+    were made of instead (a Transpose only where forward reads it too), backward makes them
+    again, and the gradients are eager's."""
+    batch_first = layout == "batch_first"
+    model = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=batch_first)
+    plain = _train_like_eager(model, lambda: (torch.randn(3, 5, 16, requires_grad=True),))
+    saved = _saved_by(plain)
+    assert len(saved) > 8
+    assert not [op for op, _ in saved if op in ("Identity", "Reshape", "Expand")], saved
+    assert all(readers > 0 for op, readers in saved if op == "Transpose"), saved
 
 
 def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:

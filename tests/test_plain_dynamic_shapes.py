@@ -196,7 +196,7 @@ def test_a_patched_class_traces_its_second_batch_size_with_symbols() -> None:
 
 class _PackedAttention(nn.Module):
     """q, k and v sliced from one projection, then a linear layer on the 3-d result: the
-    shapes `fx_passes.pads_summed_into_cat` and `save_bases_of_reshapes` rewrite."""
+    shapes `fx_passes.pads_summed_into_cat` and `save_bases_of_views` rewrite."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -3,9 +3,9 @@
 One job: turn the forward and backward graphs aot_autograd's partitioner made into graphs that
 ONNX Runtime runs, and runs fast, with the same numbers: constants made real, int32 indices
 widened, reductions without a reshape behind them, saved parameters handed over instead of
-copied. They run after the trace, in the order `passes` declares (after the linking of the
-graphs' inputs and outputs, `linking`), on graphs nothing else holds yet; each is tested on its
-own graphs (tests/test_plain_backend.py).
+copied, saved views made again in backward. They run after the trace, in the order `passes`
+declares (after the linking of the graphs' inputs and outputs, `linking`), on graphs nothing
+else holds yet; each is tested on its own graphs (tests/test_plain_backend.py).
 """
 
 from __future__ import annotations
@@ -81,16 +81,72 @@ def pass_feeds_through(forward: torch.fx.GraphModule, num_forward: int) -> None:
     forward.recompile()
 
 
-def save_bases_of_reshapes(
+#: copies and aliases: forward need not write them out for backward, where ONNX Runtime
+#: drops them (an Identity between two nodes)
+_COPIES = frozenset({_aten.clone.default, _aten.detach.default, _aten.alias.default})
+
+
+def _replayable(node: torch.fx.Node) -> bool:
+    """`node` is a view backward can make again from its input alone: a reshape to static
+    sizes, a transposition, an expansion to the size it has, or a copy."""
+    args: Any = node.args
+    if node.target in _RESHAPES:
+        sizes = args[1] if len(args) > 1 else None
+        return isinstance(sizes, (list, tuple)) and all(type(size) is int for size in sizes)
+    if node.target is _aten.expand.default:  # to its own size (attention's batched products)
+        value, source = node.meta.get("val"), getattr(args[0], "meta", {}).get("val")
+        return (
+            isinstance(value, torch.Tensor)
+            and isinstance(source, torch.Tensor)
+            and (value.shape == source.shape and all(type(size) is int for size in args[1]))
+        )
+    return node.target in _TRANSPOSES or node.target in _COPIES
+
+
+def _written(node: Any) -> bool:
+    """ONNX Runtime writes `node`'s value into a buffer of its own: no feed, and no view it
+    would copy to hand it out (a Reshape, a same-size Expand, an Identity)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    return not _replayable(node) or node.target in _TRANSPOSES
+
+
+def _view_chain(node: Any, outs: list[Any]) -> list[torch.fx.Node] | None:
+    """The views from a value forward writes to the saved value `node`, the saved one first,
+    or None when `node` is not such a chain. The chain ends at a transposition that forward
+    makes anyway (read by another of its nodes): backward would write it again."""
+    if outs.count(node) != 1:
+        return None  # also a user's output: forward makes it anyway
+    chain: list[torch.fx.Node] = []
+    shared = False  # a view of the chain so far is read by forward too
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _replayable(node):
+        if node.target in _TRANSPOSES and (shared or len(node.users) != 1):
+            break
+        chain.append(node)
+        shared = shared or len(node.users) != 1
+        node = node.args[0]
+    while chain and not _written(node):
+        node = chain.pop()  # a feed (forward may write into it: the copy keeps what it read)
+    if not chain or node in outs or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    # Views valid on the base's strides in forward are valid again on them in backward, and
+    # on the contiguous tensor ONNX Runtime hands over.
+    return chain
+
+
+def save_bases_of_views(
     forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, reads: list[tuple[str, int]]
 ) -> None:
-    """A saved value that is a reshape, to static sizes, of a contiguous value forward
-    computes is saved as that value, and backward reshapes it again: ONNX Runtime copies
-    what a Reshape makes when that is a graph output (292 us for 4 MB, against 7 us when
-    the Reshape's input is the graph output or a graph input), and the partitioner saves the
-    reshaped input of a linear layer (a transformer layer's feed-forward activation, 0.44 ms
-    of its forward). `reads` are backward's inputs (`linking.link`): the placeholder of each
-    saved value keeps its place and name."""
+    """A saved value that is a chain of views (reshapes to static sizes, transpositions) of a
+    value forward computes is saved as that value, and backward makes the views
+    again. ONNX Runtime writes out every view that is a graph output: a Reshape's copy (292
+    us for 4 MB, against 7 us when the Reshape's input is the graph output) where the
+    partitioner saves a linear layer's reshaped input, and a Transpose where it saves the
+    transposed operands of attention's batched products for their gradients (four in a
+    transformer layer, 0.8 ms of its forward), which backward's matrix products take
+    transposed for free (ONNX Runtime fuses a Transpose into the MatMul that reads it).
+    `reads` are backward's inputs (`linking.link`): the placeholder of each saved value keeps
+    its place and name, and holds the base."""
     output = next(n for n in forward.graph.nodes if n.op == "output")
     outs = list(output.args[0])
     placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
@@ -98,42 +154,34 @@ def save_bases_of_reshapes(
         return
     moved = []
     for placeholder, (kind, k) in zip(placeholders, reads, strict=True):
-        node = outs[k] if kind == "out" else None
-        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        chain = _view_chain(outs[k], outs) if kind == "out" else None
+        if chain is None:
             continue
-        if node.target not in _RESHAPES:
-            continue
-        base = node.args[0]
-        while isinstance(base, torch.fx.Node) and base.target in _RESHAPES:
-            base = base.args[0]  # a reshape of a reshape: the first value
-        if not isinstance(base, torch.fx.Node):
-            continue
-        value, sizes = base.meta.get("val"), node.args[1]
-        if base.op != "call_function" or not isinstance(value, torch.Tensor):
-            continue  # a feed: forward may write into it, and the copy keeps what it read
-        if not isinstance(sizes, (list, tuple)) or not value.is_contiguous():
-            continue
-        if not all(type(size) is int for size in sizes):
-            continue  # sizes computed in forward, which backward does not have
+        base = chain[-1].args[0]
+        assert isinstance(base, torch.fx.Node)
         outs[k] = base
-        moved.append(node)
-        last = placeholders[-1]
-        with backward.graph.inserting_after(last):
-            again = backward.graph.call_function(_aten.view.default, (placeholder, list(sizes)))
-        again.meta = dict(placeholder.meta)
-        for user in list(placeholder.users):
-            if user is not again:
-                user.replace_input_with(placeholder, again)
-        placeholder.meta = {**placeholder.meta, "val": value}
+        moved.append(chain[0])
+        readers = list(placeholder.users)
+        again, anchor = placeholder, placeholders[-1]
+        for view in reversed(chain):
+            if view.target is _aten.expand.default:
+                continue  # the same value and strides: ONNX Runtime would copy it
+            with backward.graph.inserting_after(anchor):
+                target: Any = view.target
+                again = anchor = backward.graph.call_function(
+                    target, (again, *view.args[1:]), dict(view.kwargs)
+                )
+            again.meta = dict(view.meta)
+        for user in readers:
+            user.replace_input_with(placeholder, again)
+        placeholder.meta = {**placeholder.meta, "val": base.meta["val"]}
         placeholder.meta.pop("tensor_meta", None)
     if not moved:
         return
     output.args = (tuple(outs),)
-    erased: set[torch.fx.Node] = set()
     for node in moved:
-        # the reshapes nothing reads any more, back to the saved value
-        while node not in erased and node.target in _RESHAPES and not node.users:
-            erased.add(node)
+        # the views nothing reads any more, back to the saved value
+        while _replayable(node) and not node.users:
             source = node.args[0]
             forward.graph.erase_node(node)
             if not isinstance(source, torch.fx.Node):
@@ -174,6 +222,7 @@ def real_constants(cls: str, gm: torch.fx.GraphModule) -> None:
 
 
 _RESHAPES = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default})
+_TRANSPOSES = frozenset({_aten.t.default, _aten.transpose.int, _aten.permute.default})
 
 
 def sums_without_kept_dims(gm: torch.fx.GraphModule) -> None:

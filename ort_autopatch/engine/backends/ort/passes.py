@@ -83,9 +83,9 @@ def _drop_regenerated(g: PartitionedGraphs) -> None:
     aliasing.drop_regenerated(g.captured.forward, outputs)
 
 
-def _save_bases_of_reshapes(g: PartitionedGraphs) -> None:
+def _save_bases_of_views(g: PartitionedGraphs) -> None:
     assert g.captured.backward is not None
-    fx_passes.save_bases_of_reshapes(
+    fx_passes.save_bases_of_views(
         g.captured.forward, g.captured.backward, g.captured.backward_inputs
     )
 
@@ -111,7 +111,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
         _has_backward,
     ),
     Pass("drop_regenerated", _drop_regenerated, lambda g: bool(g.captured.regenerated)),
-    Pass("save_bases_of_reshapes", _save_bases_of_reshapes, _has_backward),
+    Pass("save_bases_of_views", _save_bases_of_views, _has_backward),
     Pass("sums_without_kept_dims", _each(fx_passes.sums_without_kept_dims)),
     Pass("pads_summed_into_cat", _each(fx_passes.pads_summed_into_cat)),
     Pass("int64_indices", _each(fx_passes.int64_indices)),

@@ -356,6 +356,45 @@ def test_attention_saves_no_copy_transpose_or_reshape_for_backward(layout: str) 
     assert all(readers > 0 for op, readers in saved if op == "Transpose"), saved
 
 
+class _MaskedTwice(nn.Module):
+    """A gradient through dropout and ReLU: two masks, one after the other."""
+
+    def __init__(self, dropout_first: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3000))
+        self.dropout_first = dropout_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.weight
+        if self.dropout_first:
+            return torch.relu(nn.functional.dropout(h, 0.3, training=True))
+        return nn.functional.dropout(torch.relu(h), 0.3, training=True)
+
+
+@pytest.mark.parametrize("dropout_first", [False, True], ids=["relu_dropout", "dropout_relu"])
+def test_a_gradient_through_two_masks_multiplies_by_one(dropout_first: bool) -> None:
+    """Dropout's gradient multiplies by its scaled mask and ReLU's by its mask: backward
+    multiplies the gradient by one mask, the two masks' And (the gradient is the dropout
+    scale where both kept the element and 0 elsewhere, as eager's)."""
+    import onnx
+
+    model = _MaskedTwice(dropout_first)
+    x = torch.linspace(-2, 2, 3000)
+    plain = PlainCall(model, x)
+    out = plain(x)
+    assert ran_in_plain_ort(out)
+    grad = torch.linspace(0.5, 1.5, 3000)
+    out.backward(grad)
+    assert model.weight.grad is not None
+    kept = out.detach() != 0  # dropout kept it, ReLU passed it
+    assert 0.2 < float(kept.float().mean()) < 0.5
+    expected = torch.where(kept, grad * (1 / 0.7) * x, torch.zeros_like(x))
+    torch.testing.assert_close(model.weight.grad, expected)
+    assert plain.lowered.backward is not None
+    ops = [node.op_type for node in onnx.load_from_string(plain.lowered.backward).graph.node]
+    assert ops.count("And") == 1 and ops.count("Cast") == 1, ops
+
+
 def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:
     import onnx
 

@@ -15,8 +15,10 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   padding, dilation, groups and transposed convolution (1-d to 3-d). The weight's gradient is
   a matrix product with the input's patches, not a convolution (which ORT ran slowly).
 - `max_pool2d_with_indices` and its backward, for pools whose windows tile the input: an
-  elementwise maximum over the windows' strided slices, with no indices (ORT's MaxPool with
-  indices is nine times slower than without), no scatter and no small trailing window axis.
+  elementwise maximum over the windows' slots (square windows' from one `SpaceToDepth`, an
+  operator of ours, `windows.space_to_depth`; others' strided slices), with no indices (ORT's
+  MaxPool with indices is nine times slower than without), no scatter and no small trailing
+  window axis.
 - `threshold_backward` (ReLU's) and `leaky_relu_backward`: a product with the mask instead of
   ORT's slow `Where` (ten times a Greater, a Cast and a Mul on a CNN's activations).
 - `_safe_softmax` (attention's math kernel: with dropout, or a mask the flash kernel does not

@@ -193,9 +193,10 @@ def registry_for(targets: Iterable[Any]) -> Any:
     `OPSET` kept. Grows as graphs bring new operators."""
     from torch.onnx._internal.exporter import _registration
 
-    from ort_autopatch.engine.backends.ort import recurrent
+    from ort_autopatch.engine.backends.ort import recurrent, windows
 
     with _lock:
+        translations = {**recurrent.TRANSLATIONS, **windows.TRANSLATIONS}
         if not _registry:
             _registry.append(_registration.ONNXRegistry())
             _registry[0]._opset_version = OPSET
@@ -205,7 +206,7 @@ def registry_for(targets: Iterable[Any]) -> Any:
         for target in set(targets) - _registered:
             _registered.add(target)
             metas = [meta for meta in own if meta.fx_target == target]
-            ours = recurrent.TRANSLATIONS.get(target) or OWN.get(target)
+            ours = translations.get(target) or OWN.get(target)
             if ours is not None:  # a Python function adding its nodes: no signature
                 metas.append(
                     _registration.OnnxDecompMeta(

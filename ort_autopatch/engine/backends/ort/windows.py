@@ -499,12 +499,49 @@ def _tiles(
     return k
 
 
+NAMESPACE = "ort_autopatch"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::space_to_depth", mutates_args=())
+def space_to_depth(x: torch.Tensor, block: int) -> torch.Tensor:
+    """ONNX's `SpaceToDepth`: (N, C, H, W) to (N, block * block * C, H / block, W / block),
+    each block's position outermost (channel `(i * block + j) * C + c` holds `x[n, c, h *
+    block + i, w * block + j]`)."""
+    n, c, h, w = x.shape
+    view = x.reshape(n, c, h // block, block, w // block, block)
+    return view.permute(0, 3, 5, 1, 2, 4).reshape(n, block * block * c, h // block, w // block)
+
+
+@space_to_depth.register_fake
+def _(x: torch.Tensor, block: int) -> torch.Tensor:
+    n, c, h, w = x.shape
+    return x.new_empty((n, block * block * c, h // block, w // block))
+
+
+def lower_space_to_depth(x: Any, block: int) -> Any:
+    from onnxscript import opset18 as op
+
+    return op.SpaceToDepth(x, blocksize=block)
+
+
+#: our operators and their ONNX translations (`lowering.registry_for`)
+TRANSLATIONS: dict[Any, Any] = {
+    torch.ops.ort_autopatch.space_to_depth.default: lower_space_to_depth,
+}
+
+
 def _slots(x: torch.Tensor, k: list[int]) -> list[torch.Tensor]:
-    """The windows' elements by position, in ATen's scan order (row by row): kh * kw strided
-    slices of (N, C, H / kh, W / kw) each. Elementwise work on these runs at ORT's full speed;
+    """The windows' elements by position, in ATen's scan order (row by row): kh * kw
+    tensors of (N, C, H / kh, W / kw). Elementwise work on these runs at ORT's full speed;
     a trailing window axis of 4 made every broadcast, reduction and transpose over it 10 to 50
-    times slower per element (1.5 ms of a small CNN's 3.4 ms forward)."""
-    return [x[:, :, i :: k[0], j :: k[1]] for i in range(k[0]) for j in range(k[1])]
+    times slower per element (1.5 ms of a small CNN's 3.4 ms forward). Square windows take
+    their slots from one `SpaceToDepth` (87 us on (8, 16, 32, 32) at one thread, against 273
+    for the strided slices, which ORT copies element by element along the last dimension)."""
+    if k[0] != k[1]:
+        return [x[:, :, i :: k[0], j :: k[1]] for i in range(k[0]) for j in range(k[1])]
+    n, c, h, w = x.shape
+    depth = space_to_depth(x, k[0]).reshape(n, k[0] * k[1], c, h // k[0], w // k[1])
+    return list(depth.unbind(1))
 
 
 def _maximum(slots: list[torch.Tensor]) -> torch.Tensor:
@@ -554,8 +591,9 @@ def max_pool2d_with_indices_backward(
     """For tiling windows, each window's gradient to its first maximum, found again from the
     input (no indices, no scatter): one masked copy of the gradient per slot, put back in
     place by a transposed convolution with one-hot kernels (stride = kernel, so each input
-    position receives exactly one slot's value plus zeros: exact). Other pools scatter by
-    the indices (torch's own)."""
+    position receives exactly one slot's value plus zeros: exact; ONNX's `DepthToSpace`, its
+    inverse of `SpaceToDepth`, ran 210 us against the convolution's 77 on (8, 16, 32, 32)).
+    Other pools scatter by the indices (torch's own)."""
     k = _tiles(x, kernel_size, stride, padding, dilation)
     if k is None:
         from torch._decomp import decompositions as torch_decompositions

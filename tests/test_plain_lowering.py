@@ -21,13 +21,13 @@ def _full_registry() -> Any:
 
 
 def test_the_graph_registry_gives_each_operator_the_full_registrys_functions() -> None:
-    from ort_autopatch.engine.backends.ort import lowering, recurrent
+    from ort_autopatch.engine.backends.ort import lowering
 
     full = _full_registry()
     functions = full.functions
     ours = lowering.registry_for(metas[0].fx_target for metas in functions.values())
     # besides torchlib's: our own operators' translations, once a graph had them
-    own = {op.name() for op in recurrent.TRANSLATIONS}
+    own = {op.name() for op in lowering.our_translations()}
     assert set(ours.functions) - own == set(functions)
     for key, metas in functions.items():
         # ours for torchlib's operators come first (custom), then torchlib's own

@@ -182,6 +182,15 @@ def _floordiv(self: Any, other: Any) -> Any:
 #: translations of ours for the exporter's own operators, preferred to torchlib's (custom)
 OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
 
+
+def our_translations() -> dict[Any, Any]:
+    """Our own operators and their ONNX translations, from the modules that define them:
+    `recurrent`'s scans and `windows`' SpaceToDepth."""
+    from ort_autopatch.engine.backends.ort import recurrent, windows
+
+    return {**recurrent.TRANSLATIONS, **windows.TRANSLATIONS}
+
+
 _lock = threading.Lock()
 _registry: list[Any] = []  # the one partial registry of this process
 _registered: set[Any] = set()  # the targets it has been given (with or without functions)
@@ -193,10 +202,8 @@ def registry_for(targets: Iterable[Any]) -> Any:
     `OPSET` kept. Grows as graphs bring new operators."""
     from torch.onnx._internal.exporter import _registration
 
-    from ort_autopatch.engine.backends.ort import recurrent, windows
-
     with _lock:
-        translations = {**recurrent.TRANSLATIONS, **windows.TRANSLATIONS}
+        translations = our_translations()
         if not _registry:
             _registry.append(_registration.ONNXRegistry())
             _registry[0]._opset_version = OPSET

@@ -250,7 +250,13 @@ class OrtBackend(Backend):
             runtime.load(training=False)
             decompositions.table(offload.Lowerer.expected())
 
-        lowerer = offload.Lowerer.start(count, anyway)
+        # what a child forked now shares with this process, and what the training step
+        # writes: the module's tensors (their pages are let go of after the count run)
+        module = miss.module
+        params = list(module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        shared = [*params, *grads, *module.buffers(), *call.tensors]
+        lowerer = offload.Lowerer.start(count, anyway, shared)
         counted = lowerer.verdict(cls) if lowerer is not None and lowerer.counts else None
         graphs = None
         try:

@@ -56,7 +56,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -379,15 +379,21 @@ def _serve(
     receive: Callable[[], Any],
     send: Callable[[Any], None],
     count: Callable[[], None] | None = None,
+    shared: Sequence[tuple[int, int]] = (),
 ) -> None:
     """The child: make the build's count run (`count`, if given: its verdict is the first
-    answer), import, name what torchlib translates, lower each graph that comes (more
-    follow a trace made again with the child's names) until this process closes it."""
+    answer), let go of the parent's tensors (`shared`, `sandbox.let_go`: nothing here reads
+    them after the count), import, name what torchlib translates, lower each graph that
+    comes (more follow a trace made again with the child's names) until this process closes
+    it."""
     # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
     # thread pool (libgomp's) does not survive a fork
     torch.set_num_threads(1)
-    if count is not None:
-        send(_count(count))
+    counted = None if count is None else _count(count)
+    sandbox.let_go(shared)  # before the verdict: a parent that has read it writes freely
+    del count
+    if counted is not None:
+        send(counted)
     # no automatic collections: its imports and translations make objects by the hundred
     # thousand (0.05 s of collections measured in the imports alone); one collection after
     # each answer, while the parent has its graphs, frees what a lowering left
@@ -591,6 +597,7 @@ class Lowerer:
         cls,
         count: Callable[[], None] | None = None,
         meanwhile: Callable[[], None] | None = None,
+        shared: Iterable[torch.Tensor] = (),
     ) -> Lowerer | None:
         """The child kept from an earlier build; else a child importing the exporter now,
         which first makes the build's count run (`count`: `counts` says so; on the other
@@ -599,7 +606,9 @@ class Lowerer:
         no core is free for a new child (`_core_to_spare`: a kept child has its imports done
         and costs what lowering here would). `meanwhile()`, work the build needs whatever is
         decided, runs in the probe's window, which is otherwise waited out (50 ms of a
-        first call); not run where no window is needed."""
+        first call); not run where no window is needed. A new child lets go of the memory
+        of the `shared` tensors (the module's, the call's) once its count run is made
+        (`sandbox.shared_pages`): this process's writes to them copy nothing then."""
         with _kept_lock:
             if _kept:
                 kept, timer = _kept.pop()
@@ -615,18 +624,21 @@ class Lowerer:
             meanwhile()
         if not _core_to_spare(probe):
             return None
-        return cls.spawn(count)
+        return cls.spawn(count, shared)
 
     @classmethod
-    def spawn(cls, count: Callable[[], None] | None = None) -> Lowerer | None:
-        """A child, whatever this process has imported (making `count` first, if given);
-        None where forking is unavailable or another thread may be working
-        (`sandbox.working_thread`)."""
+    def spawn(
+        cls, count: Callable[[], None] | None = None, shared: Iterable[torch.Tensor] = ()
+    ) -> Lowerer | None:
+        """A child, whatever this process has imported (making `count` first, if given,
+        then letting go of the `shared` tensors' memory); None where forking is unavailable
+        or another thread may be working (`sandbox.working_thread`)."""
         busy = sandbox.working_thread()
         if busy is not None:
             log.debug("lowering child: not forked while thread %r works", busy)
             return None
-        child = sandbox.Child.spawn(functools.partial(_serve, count=count))
+        pages = sandbox.shared_pages(shared)
+        child = sandbox.Child.spawn(functools.partial(_serve, count=count, shared=pages))
         return None if child is None else cls(child, counts=count is not None)
 
     def _receive(self) -> Any:

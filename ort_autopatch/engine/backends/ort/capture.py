@@ -212,6 +212,7 @@ def capture(
     symbolic = any(map(is_fake, tensors))  # symbolic sizes: `symbolic.fake_inputs`
     try:
         with (
+            _lazy_code(),
             _tracing(module),
             contextlib.ExitStack() as stack,  # aot's tracing modes: left before the state check
         ):
@@ -301,8 +302,8 @@ def capture(
         raise untraceable(cls, exc) from exc
     assert flat.output_spec is not None
     captured = Captured(
-        forward=forward_gm,
-        backward=backward_gm,
+        forward=_lazy(forward_gm),
+        backward=None if backward_gm is None else _lazy(backward_gm),
         feeds=feeds,
         output_spec=flat.output_spec,
         num_user_outputs=len(user_outputs),
@@ -313,11 +314,35 @@ def capture(
         bases=bases,
         regenerated=regenerated,
     )
-    apply_passes(
-        passes.PARTITIONED,
-        passes.PartitionedGraphs(cls, captured, tangents, num_forward, symbolic),
-    )
+    with _lazy_code():
+        apply_passes(
+            passes.PARTITIONED,
+            passes.PartitionedGraphs(cls, captured, tangents, num_forward, symbolic),
+        )
     return captured
+
+
+def _lazy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` as a graph module that makes its code when first read or run (`_lazy_code`; the
+    partitioner makes its graphs eagerly, and the passes rewrite them)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return gm
+    return _LazyGraphModule.from_graphmodule(gm)
+
+
+def _lazy_code() -> contextlib.AbstractContextManager[None]:
+    """Graph modules made meanwhile generate their Python code only when it is first read or
+    run (torch's `_LazyGraphModule`, as inductor makes them): aot_autograd, the partitioner
+    and the passes here make and rewrite graph modules a dozen times over, each one
+    generating and compiling the code of the whole graph (0.8 s of BERT-base's first call),
+    and the graphs are lowered from their nodes, never run."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # an older or newer torch without it: code made at once
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
 
 
 def describe(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.plain_helpers import PLAIN_READY, SKIP_REASON, ran_in_plain_ort
 
@@ -114,8 +115,20 @@ def test_symbolic_floor_division_of_a_negative_size_rounds_down_as_python() -> N
     assert [r.dynamic for r in engine.records] == [False, True]
 
 
-def _graphs_of(name: str) -> list[Any]:
-    """A model's captured forward and backward graphs, types promoted."""
+class _Mixed(torch.nn.Module):
+    """Arithmetic across dtypes, where ATen promotes implicitly: the promotion pass casts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * (ids > 1) + ids
+        return torch.where(ids > 2, y, 0) / 3 + ids // 2 + x.half().sum(-1, keepdim=True)
+
+
+def _graphs_of(name: str, promoted: bool = True) -> list[Any]:
+    """A model's captured forward and backward graphs, types promoted (`promoted`)."""
     import torch
     from torch import nn
 
@@ -150,6 +163,7 @@ def _graphs_of(name: str) -> list[Any]:
             ),
             (torch.randint(0, 10, (2, 5)),),
         ),
+        "mixed_dtypes": lambda: (_Mixed(), (torch.randn(3, 4), torch.randint(0, 4, (3, 4)))),
     }[name]()
     call = signature.flatten_call("M", args, {})
     captured = capture.capture(
@@ -157,8 +171,46 @@ def _graphs_of(name: str) -> list[Any]:
     )
     graphs = [g for g in (captured.forward, captured.backward) if g is not None]
     for graph in graphs:
-        lowering.promote_types(graph)
+        if promoted:
+            lowering.promote_types(graph)
     return graphs
+
+
+def _nodes(gm: Any) -> list[tuple[Any, ...]]:
+    """A graph node by node: what it computes, from what, and its value's type and size."""
+
+    def described(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (value.dtype, tuple(value.shape))
+        if isinstance(value, (list, tuple)):
+            return tuple(described(v) for v in value)
+        return type(value).__name__
+
+    return [
+        (n.op, n.name, str(n.target), str(n.args), str(n.kwargs), described(n.meta.get("val")))
+        for n in gm.graph.nodes
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["transformer", "conv_batchnorm_pool", "activations_and_norms", "mixed_dtypes"]
+)
+def test_type_promotion_from_the_traces_values_gives_the_exporters_graph(name: str) -> None:
+    """`promote_types` reads each node's value from its meta instead of running the node on
+    fake tensors again: the graph it gives is the exporter's pass's, cast for cast."""
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
+
+    ours = _graphs_of(name)
+    theirs = _graphs_of(name, promoted=False)
+    for graph in theirs:
+        with real_constants_allowed():
+            type_promotion.InsertTypePromotion(graph).run()
+    assert [_nodes(g) for g in ours] == [_nodes(g) for g in theirs]
+    if name == "mixed_dtypes":  # the pass had casts to insert
+        untouched = _graphs_of(name, promoted=False)
+        assert [_nodes(g) for g in ours] != [_nodes(g) for g in untouched]
 
 
 @pytest.mark.parametrize("name", ["transformer", "conv_batchnorm_pool", "activations_and_norms"])

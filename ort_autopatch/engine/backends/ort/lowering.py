@@ -280,16 +280,45 @@ PROMOTED = "ort_autopatch_promoted"
 
 def promote_types(gm: torch.fx.GraphModule) -> None:
     """The exporter's type-promotion pass (casts where ATen promotes implicitly), in place,
-    as `to_onnx` runs it: it runs the graph on its fake tensors, so it needs no more of the
-    exporter than this pass (`offload` runs it before sending a graph). The graph is marked,
-    so that `to_onnx` does not run it twice."""
+    as `to_onnx` runs it, but reading each node's value from the trace's fake value in its
+    meta rather than running the node again on fake tensors (`_promoter`): only the nodes the
+    pass changes run (0.4 of BERT-base's 0.5 s were the fake runs of nodes it left alone).
+    It needs no more of the exporter than this pass (`offload` runs it before sending a
+    graph). The graph is marked, so that `to_onnx` does not run it twice."""
     from torch.onnx._internal.fx.passes import type_promotion
 
     from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
 
+    promotion = type_promotion.InsertTypePromotion(gm)
+    promotion.interpreter = _promoter()(gm, promotion.interpreter.type_promotion_table)
     with EXPORT_LOCK, real_constants_allowed():  # see `to_onnx`
-        type_promotion.InsertTypePromotion(gm).run()
+        promotion.run()
     gm.meta[PROMOTED] = True
+
+
+@functools.cache
+def _promoter() -> type:
+    """The exporter's type-promotion interpreter, with each node's value taken from its meta
+    (`val`, the trace's fake value, which the translator reads too) where the pass leaves
+    the node as it is. A node the pass changes, or one without a value (a placeholder, a
+    constant), runs as in the exporter's pass."""
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    class Promoter(type_promotion._TypePromotionInterpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n.op != "call_function" or "val" not in n.meta:
+                return super().run_node(n)
+            with self._set_current_node(n):
+                rule = type_promotion.get_type_promotion_rule(n, self.type_promotion_table)
+                if rule is not None:
+                    before = (n.target, n.args, n.kwargs)
+                    self._maybe_promote_node(n, rule)
+                    if (n.target, n.args, n.kwargs) != before:
+                        # rerun by the pass, whose value it kept (and put in the meta)
+                        return self.env[n]
+            return n.meta["val"]
+
+    return Promoter
 
 
 #: Each ONNX operator's signature, made once a process (`_signatures_reused`).

@@ -7,3 +7,8 @@ FX graph. Each graph is translated to ONNX (`lowering`) and runs in its own Infe
 an autograd Function ties the two into PyTorch's autograd (`program`), and the first call of
 every graph is checked against eager before its numbers are trusted.
 """
+
+#: The torch.library namespace of the operators this backend defines for its graphs (the
+#: recurrent scans, `windows`' SpaceToDepth), each with an ONNX translation
+#: (`lowering.our_translations`).
+OPERATOR_NAMESPACE = "ort_autopatch"

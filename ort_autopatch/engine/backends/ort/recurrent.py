@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-NAMESPACE = "ort_autopatch"
+from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
 
 
 @torch.library.custom_op(f"{NAMESPACE}::lstm_scan", mutates_args=())

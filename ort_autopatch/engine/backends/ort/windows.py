@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
+
 aten = torch.ops.aten
 
 
@@ -497,9 +499,6 @@ def _tiles(
     if x.dim() != 4 or x.shape[2] % k[0] or x.shape[3] % k[1]:
         return None
     return k
-
-
-NAMESPACE = "ort_autopatch"
 
 
 @torch.library.custom_op(f"{NAMESPACE}::space_to_depth", mutates_args=())

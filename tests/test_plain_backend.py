@@ -5,6 +5,7 @@ table, and its refusals."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -359,9 +360,9 @@ def test_attention_saves_no_copy_transpose_or_reshape_for_backward(layout: str) 
 class _MaskedTwice(nn.Module):
     """A gradient through dropout and ReLU: two masks, one after the other."""
 
-    def __init__(self, dropout_first: bool) -> None:
+    def __init__(self, dropout_first: bool, features: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3000))
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
         self.dropout_first = dropout_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -371,24 +372,29 @@ class _MaskedTwice(nn.Module):
         return nn.functional.dropout(torch.relu(h), 0.3, training=True)
 
 
+@pytest.mark.parametrize("shape", [(3000,), (4, 25, 30)], ids=["1d", "batch_sequence_features"])
 @pytest.mark.parametrize("dropout_first", [False, True], ids=["relu_dropout", "dropout_relu"])
-def test_a_gradient_through_two_masks_multiplies_by_one(dropout_first: bool) -> None:
+def test_a_gradient_through_two_masks_multiplies_by_one(
+    dropout_first: bool, shape: tuple[int, ...]
+) -> None:
     """Dropout's gradient multiplies by its scaled mask and ReLU's by its mask: backward
     multiplies the gradient by one mask, the two masks' And (the gradient is the dropout
-    scale where both kept the element and 0 elsewhere, as eager's)."""
+    scale where both kept the element and 0 elsewhere, as eager's), also where the masks
+    are broadcast against a parameter and the gradient is summed over leading dimensions."""
     import onnx
 
-    model = _MaskedTwice(dropout_first)
-    x = torch.linspace(-2, 2, 3000)
+    model = _MaskedTwice(dropout_first, shape[-1])
+    x = torch.linspace(-2, 2, math.prod(shape)).reshape(shape)
     plain = PlainCall(model, x)
     out = plain(x)
     assert ran_in_plain_ort(out)
-    grad = torch.linspace(0.5, 1.5, 3000)
+    grad = torch.linspace(0.5, 1.5, math.prod(shape)).reshape(shape)
     out.backward(grad)
     assert model.weight.grad is not None
     kept = out.detach() != 0  # dropout kept it, ReLU passed it
     assert 0.2 < float(kept.float().mean()) < 0.5
     expected = torch.where(kept, grad * (1 / 0.7) * x, torch.zeros_like(x))
+    expected = expected.reshape(-1, shape[-1]).sum(0)
     torch.testing.assert_close(model.weight.grad, expected)
     assert plain.lowered.backward is not None
     ops = [node.op_type for node in onnx.load_from_string(plain.lowered.backward).graph.node]

@@ -223,3 +223,21 @@ def test_a_packed_projection_with_new_batch_and_length_every_call_has_one_concat
         backward = onnx.load_from_string(entry.program.lowered.backward)
         ops = [node.op_type for node in backward.graph.node]
         assert "Pad" not in ops
+
+
+def _pooled() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.MaxPool2d(2), nn.ReLU())
+
+
+def test_a_tiling_max_pool_with_new_batch_and_image_sizes_every_call_uses_space_to_depth() -> None:
+    """`windows.space_to_depth`'s fake kernel takes symbolic sizes: the graph traced with
+    symbols keeps the square pool's SpaceToDepth and gives eager's numbers at every size."""
+    import onnx
+
+    sizes = [(2, 8, 8), (3, 12, 12), (4, 8, 16), (2, 16, 4)]
+    engine = _train_side_by_side(_pooled, [torch.randn(b, 2, h, w) for b, h, w in sizes])
+    assert [r.dynamic for r in engine.records] == [False, True]
+    for entry in engine._cache._entries.values():
+        forward = onnx.load_from_string(entry.program.lowered.forward)
+        assert "SpaceToDepth" in {node.op_type for node in forward.graph.node}

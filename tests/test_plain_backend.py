@@ -145,6 +145,63 @@ def test_a_sum_keeping_dims_a_view_then_drops_is_one_sum_without_them(
     assert torch.equal(gm(x), reduce(x) * 2)
 
 
+@pytest.mark.parametrize(
+    ("chain", "left"),
+    [
+        # BatchNorm's gradient: (C,) to (1, C, 1, 1) one dim at a time
+        (lambda x: x.sum([0, 2]).unsqueeze(0).unsqueeze(-1), 1),
+        # its saved mean: (1, C, 1) -> (C,) -> (1, C, 1), the value itself
+        (lambda x: x.mean([0, 2], keepdim=True).view(-1).unsqueeze(0).unsqueeze(-1), 0),
+        (lambda x: x.sum([0]).view(12).view(3, 4).unsqueeze(0).squeeze(0), 0),
+        (lambda x: x.sum([0]).view(12).view(2, 6).view(1, 12), 1),
+        # reshape copies a transposed value first: the chain starts from the copy
+        (lambda x: x.sum([0]).t().reshape(12).view(4, 3), 0),
+        # a view of the transposed value itself would be another order: left as it is
+        (lambda x: x.sum([0]).t().unsqueeze(0).unsqueeze(-1), 2),
+    ],
+)
+def test_a_chain_of_reshapes_is_one_reshape_or_none(
+    chain: Callable[[torch.Tensor], torch.Tensor], left: int
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    x = torch.randn(2, 3, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return chain(x) * 2
+
+    gm = make_fx(f)(x)
+    fx_passes.reshape_chains_as_one(gm)
+    shaped = [n for n in gm.graph.nodes if n.target in fx_passes._SHAPE_ONLY]
+    assert len(shaped) == left, gm.graph
+    assert torch.equal(gm(x), f(x))
+
+
+def test_a_reshape_chain_a_graph_outputs_ends_in_a_node_of_its_own_or_the_value() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    x = torch.randn(2, 3, 4)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mean = x.mean([0, 2], keepdim=True)
+        back = mean.view(-1).unsqueeze(0).unsqueeze(-1)  # (1, 3, 1) again
+        return back, x.view(-1).unsqueeze(0).squeeze(0).view(2, 3, 4), x.sum(0).view(12)
+
+    gm = make_fx(f)(x)
+    fx_passes.reshape_chains_as_one(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, second, third = output.args[0]
+    assert first.target is torch.ops.aten.mean.dim  # the mean itself, not a copy of it
+    assert second.target in fx_passes._SHAPE_ONLY  # a feed's view stays a node of its own
+    assert third.target in fx_passes._SHAPE_ONLY
+    for got, expected in zip(gm(x), f(x), strict=True):
+        assert torch.equal(got, expected)
+
+
 def _pads_of_parts(sizes: tuple[int, ...], dim: int, widths: list[int], order: list[int]):
     """A function summing, in `order`, the zero pads that put parts of `widths` side by side
     along `dim` of a tensor of `sizes` (what `select_backward` and `slice_backward` write

@@ -265,6 +265,67 @@ def sums_without_kept_dims(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+#: operators that change a tensor's shape alone, the elements in the same order
+_SHAPE_ONLY = _RESHAPES | frozenset(
+    {_aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze.default}
+)
+
+
+def _static_sizes(node: Any) -> list[int] | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not all(type(s) is int for s in value.shape):
+        return None
+    return list(value.shape)
+
+
+def reshape_chains_as_one(gm: torch.fx.GraphModule) -> None:
+    """A chain of reshapes, unsqueezes and squeezes is one reshape of the value it starts
+    from, and none where that value already has the chain's shape. BatchNorm's gradient
+    makes each per-channel value (C,) and then (1, C, 1, 1) one unsqueeze at a time, and
+    its saved mean goes (1, C, 1, 1) -> (C,) -> (1, C, 1, 1): ONNX Runtime runs every step
+    as a node of its own (13 of a small CNN's 137 nodes). Only static sizes, and a
+    contiguous start, on which the one view is valid in torch too. A graph output that is
+    the value itself becomes that value where it is computed in the graph and is no other
+    output; else it stays a node of its own (an input's view, or one value output twice)."""
+    changed = False
+    for node in list(gm.graph.nodes):  # in order: a chain folds into its last node
+        if node.op != "call_function" or node.target not in _SHAPE_ONLY:
+            continue
+        inner = node.args[0]
+        if not isinstance(inner, torch.fx.Node) or inner.op != "call_function":
+            continue
+        if inner.target not in _SHAPE_ONLY:
+            continue
+        start, sizes = inner.args[0], _static_sizes(node)
+        value = start.meta.get("val") if isinstance(start, torch.fx.Node) else None
+        if sizes is None or not isinstance(value, torch.Tensor) or not value.is_contiguous():
+            continue
+        node.target, node.args, node.kwargs = _aten.view.default, (start, sizes), {}
+        if not inner.users:
+            gm.graph.erase_node(inner)
+        changed = True
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    single = not isinstance(output.args[0], (list, tuple))  # make_fx's graph of one value
+    outs = [output.args[0]] if single else list(output.args[0])
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SHAPE_ONLY:
+            continue
+        start, sizes = node.args[0], _static_sizes(node)
+        if not isinstance(start, torch.fx.Node) or sizes is None or sizes != _static_sizes(start):
+            continue
+        if output in node.users:
+            # an output once: the value itself, where it is computed here and not an output
+            if start.op != "call_function" or start in outs or outs.count(node) != 1:
+                continue
+            outs[outs.index(node)] = start
+            output.args = (outs[0] if single else tuple(outs),)
+        node.replace_all_uses_with(start)  # the value itself, shape and all
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
 def _mask_factor(node: Any) -> tuple[torch.fx.Node, torch.fx.Node, float | None] | None:
     """(the cast, the boolean mask, the scale) when `node` is a mask cast to a float type,
     scaled by a positive finite number or not (dropout's and ReLU's gradients), else None."""

@@ -620,13 +620,19 @@ def test_a_tiling_max_pools_square_windows_come_from_one_space_to_depth(
     kernel: int | tuple[int, int],
 ) -> None:
     """The windows of a max pool that tiles its input, slot by slot: for square windows one
-    SpaceToDepth (ORT copies a slice strided along the last dimension element by element,
-    three times as slowly), for others strided slices; eager's numbers either way."""
+    SpaceToDepth cut by one Split (ORT copies a slice strided along the last dimension
+    element by element, three times as slowly), for others strided slices; eager's numbers
+    either way. Each slot's first maximum comes from the running maxima: no slots marked
+    taken (Not, Or)."""
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.MaxPool2d(kernel))
     plain = _train_like_eager(model, lambda: (torch.randn(2, 2, 12, 12, requires_grad=True),))
     forward = _operators(plain.lowered.forward)
     square = isinstance(kernel, int)
     assert ("SpaceToDepth" in forward) == square, forward
+    assert not {"Not", "Or"} & forward, forward
+    if square:
+        assert "Split" in forward
+        assert not {"Squeeze", "SplitToSequence", "SequenceAt"} & forward, forward
 
 
 def test_a_cnns_pool_and_weight_gradients_avoid_the_operators_ort_runs_slowly() -> None:

@@ -231,7 +231,7 @@ def _pooled() -> nn.Module:
 
 
 def test_a_tiling_max_pool_with_new_batch_and_image_sizes_every_call_uses_space_to_depth() -> None:
-    """`windows.space_to_depth`'s fake kernel takes symbolic sizes: the graph traced with
+    """`windows.window_slots`'s fake kernel takes symbolic sizes: the graph traced with
     symbols keeps the square pool's SpaceToDepth and gives eager's numbers at every size."""
     import onnx
 

@@ -16,7 +16,7 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   a matrix product with the input's patches, not a convolution (which ORT ran slowly).
 - `max_pool2d_with_indices` and its backward, for pools whose windows tile the input: an
   elementwise maximum over the windows' slots (square windows' from one `SpaceToDepth`, an
-  operator of ours, `windows.space_to_depth`; others' strided slices), with no indices (ORT's
+  operator of ours, `windows.window_slots`; others' strided slices), with no indices (ORT's
   MaxPool with indices is nine times slower than without), no scatter and no small trailing
   window axis.
 - `threshold_backward` (ReLU's) and `leaky_relu_backward`: a product with the mask instead of

@@ -501,31 +501,33 @@ def _tiles(
     return k
 
 
-@torch.library.custom_op(f"{NAMESPACE}::space_to_depth", mutates_args=())
-def space_to_depth(x: torch.Tensor, block: int) -> torch.Tensor:
-    """ONNX's `SpaceToDepth`: (N, C, H, W) to (N, block * block * C, H / block, W / block),
-    each block's position outermost (channel `(i * block + j) * C + c` holds `x[n, c, h *
-    block + i, w * block + j]`)."""
+@torch.library.custom_op(f"{NAMESPACE}::window_slots", mutates_args=())
+def window_slots(x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """The elements of square windows that tile x (N, C, H, W), by position in the window,
+    row by row: block * block tensors of (N, C, H / block, W / block), slot `i * block + j`
+    holding `x[n, c, h * block + i, w * block + j]`. ONNX's `SpaceToDepth` puts them in
+    that order along the channels (its channel `(i * block + j) * C + c`), and one `Split`
+    cuts its runs of C channels apart."""
     n, c, h, w = x.shape
     view = x.reshape(n, c, h // block, block, w // block, block)
-    return view.permute(0, 3, 5, 1, 2, 4).reshape(n, block * block * c, h // block, w // block)
+    return [view[:, :, :, i, :, j].clone() for i in range(block) for j in range(block)]
 
 
-@space_to_depth.register_fake
-def _(x: torch.Tensor, block: int) -> torch.Tensor:
+@window_slots.register_fake
+def _(x: torch.Tensor, block: int) -> list[torch.Tensor]:
     n, c, h, w = x.shape
-    return x.new_empty((n, block * block * c, h // block, w // block))
+    return [x.new_empty((n, c, h // block, w // block)) for _ in range(block * block)]
 
 
-def lower_space_to_depth(x: Any, block: int) -> Any:
+def lower_window_slots(x: Any, block: int) -> Any:
     from onnxscript import opset18 as op
 
-    return op.SpaceToDepth(x, blocksize=block)
+    return op.Split(op.SpaceToDepth(x, blocksize=block), axis=1, num_outputs=block * block)
 
 
 #: our operators and their ONNX translations (`lowering.registry_for`)
 TRANSLATIONS: dict[Any, Any] = {
-    torch.ops.ort_autopatch.space_to_depth.default: lower_space_to_depth,
+    torch.ops.ort_autopatch.window_slots.default: lower_window_slots,
 }
 
 
@@ -534,20 +536,38 @@ def _slots(x: torch.Tensor, k: list[int]) -> list[torch.Tensor]:
     tensors of (N, C, H / kh, W / kw). Elementwise work on these runs at ORT's full speed;
     a trailing window axis of 4 made every broadcast, reduction and transpose over it 10 to 50
     times slower per element (1.5 ms of a small CNN's 3.4 ms forward). Square windows take
-    their slots from one `SpaceToDepth` (87 us on (8, 16, 32, 32) at one thread, against 273
-    for the strided slices, which ORT copies element by element along the last dimension)."""
+    their slots from one `SpaceToDepth` and a `Split` (`window_slots`: 87 us for the
+    SpaceToDepth on (8, 16, 32, 32) at one thread, against 273 for the strided slices, which
+    ORT copies element by element along the last dimension)."""
     if k[0] != k[1]:
         return [x[:, :, i :: k[0], j :: k[1]] for i in range(k[0]) for j in range(k[1])]
-    n, c, h, w = x.shape
-    depth = space_to_depth(x, k[0]).reshape(n, k[0] * k[1], c, h // k[0], w // k[1])
-    return list(depth.unbind(1))
+    return list(window_slots(x, k[0]))
 
 
-def _maximum(slots: list[torch.Tensor]) -> torch.Tensor:
-    result = slots[0]
+def _running_maxima(slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The maximum of the first 1, 2, ... of the slots, the windows' maximum last (NaN where a
+    window holds one, as ATen's pool; ONNX's ReduceMax skips NaN). Forward's maximum and
+    backward's masks read the same chain, which the partitioner computes once."""
+    running = [slots[0]]
     for slot in slots[1:]:
-        result = torch.maximum(result, slot)
-    return result
+        running.append(torch.maximum(running[-1], slot))
+    return running
+
+
+def _first_maxima(slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Where each slot holds its window's first maximum, as ATen's kernel picks it (the lowest
+    slot equal to the maximum; -0.0 and 0.0 tie): a slot equal to the maximum and greater
+    than every slot before it, which the running maxima say in one comparison (eight
+    elementwise nodes for a 2x2 window, where marking the slots taken before took twelve).
+    No slot of a window holding NaN is marked."""
+    running = _running_maxima(slots)
+    maximum = running[-1]
+    masks = [slots[0] == maximum]
+    for j in range(1, len(slots)):
+        first = slots[j] > running[j - 1]
+        # the last slot above all the others is the maximum
+        masks.append(first if j == len(slots) - 1 else first & (slots[j] == maximum))
+    return masks
 
 
 def max_pool2d_with_indices(
@@ -566,7 +586,7 @@ def max_pool2d_with_indices(
     if k is None:
         return NotImplemented
     slots = _slots(x, k)
-    result = _maximum(slots)
+    result = _running_maxima(slots)[-1]
     # the first maximum, as ATen's kernel picks: the lowest slot equal to the maximum
     position = torch.full_like(result, len(slots) - 1, dtype=torch.int64)
     for j in range(len(slots) - 2, -1, -1):
@@ -602,13 +622,7 @@ def max_pool2d_with_indices_backward(
         )
         return result
     slots = _slots(x, k)
-    maximum = _maximum(slots)
-    taken = slots[0] == maximum
-    spread = [grad_output * taken.to(grad_output.dtype)]
-    for slot in slots[1:]:
-        first = (slot == maximum) & ~taken
-        spread.append(grad_output * first.to(grad_output.dtype))
-        taken = taken | first
+    spread = [grad_output * first.to(grad_output.dtype) for first in _first_maxima(slots)]
     n, c, h, w = x.shape
     count = len(slots)
     stacked = torch.stack(spread, 2).reshape(n * c, count, h // k[0], w // k[1])

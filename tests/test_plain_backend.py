@@ -635,6 +635,26 @@ def test_a_tiling_max_pools_square_windows_come_from_one_space_to_depth(
         assert not {"Squeeze", "SplitToSequence", "SequenceAt"} & forward, forward
 
 
+def _conv_kernels_fed(model: bytes) -> list[str]:
+    """The Conv nodes whose kernel depends on the graph's inputs."""
+    import onnx
+
+    graph = onnx.load_from_string(model).graph
+    producers = {out: node for node in graph.node for out in node.output}
+    fed = {i.name for i in graph.input}
+
+    def depends(name: str, seen: set[str]) -> bool:
+        if name in fed:
+            return True
+        node = producers.get(name)
+        if node is None or name in seen:
+            return False
+        seen.add(name)
+        return any(depends(i, seen) for i in node.input if i)
+
+    return [n.name for n in graph.node if n.op_type == "Conv" and depends(n.input[1], set())]
+
+
 def test_a_cnns_pool_and_weight_gradients_avoid_the_operators_ort_runs_slowly() -> None:
     # ArgMax, a scatter or a Conv with the whole gradient as its kernel each cost ORT more
     # than eager's whole step on a small CNN (decompositions.py says how much)
@@ -643,7 +663,11 @@ def test_a_cnns_pool_and_weight_gradients_avoid_the_operators_ort_runs_slowly() 
     assert plain.lowered.backward is not None
     forward, backward = _operators(plain.lowered.forward), _operators(plain.lowered.backward)
     assert not {"ArgMax", "ScatterElements", "ScatterND"} & (forward | backward)
-    assert "Conv" not in backward
+    # the weight's patches come from a convolution with constant one-hot kernels; none
+    # takes the gradient (or anything else the graph is fed) as its kernel
+    assert "Conv" in backward
+    assert not _conv_kernels_fed(plain.lowered.backward)
+    assert _conv_kernels_fed(plain.lowered.forward)  # the layer's own, fed its weight
     # the input needs no gradient: the backward computes the parameters' alone
     import onnx
 

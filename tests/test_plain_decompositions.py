@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -40,25 +41,41 @@ def _pair(value: int | tuple[int, ...], dims: int) -> list[int]:
     return list(value) if isinstance(value, tuple) else [value] * dims
 
 
-@pytest.mark.parametrize("patches", ["channels_last", "channels_first"])
+@pytest.mark.parametrize("patches", ["channels_last", "channels_first", "convolved"])
 @pytest.mark.parametrize("case", CONVOLUTIONS, ids=lambda c: "-".join(map(str, c)))
 def test_convolution_backward_equals_atens(
     case: tuple, patches: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both ways of taking the weight's patches, whatever the channels (channels first
-    serves few channels and one group: `_narrow_weight_gradient`)."""
-    narrow = 1_000 if patches == "channels_first" else 0
+    """Every way of taking the weight's patches, whatever the channels: channels last;
+    channels first (few channels and one group: `_narrow_weight_gradient`), as slices, or
+    (float32 alone) as one convolution with one-hot kernels at every kernel size."""
+    narrow = 0 if patches == "channels_last" else 1_000
     monkeypatch.setattr(windows, "_NARROW_CHANNELS", narrow)
+    convolved = patches == "convolved"
+    monkeypatch.setattr(windows, "_CONVOLVED_POSITIONS", 1_000 if convolved else 0)
+    taken = []
+    by_convolution = windows._patches_by_convolution
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        result = by_convolution(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(windows, "_patches_by_convolution", spy)
     dims, cin, cout, kernel, stride, padding, dilation, groups, transposed, extra = case
     kernel, stride, padding, dilation = (
         _pair(v, dims) for v in (kernel, stride, padding, dilation)
     )
     torch.manual_seed(0)
-    x = torch.randn(2, cin, *[9 - d for d in range(dims)], dtype=torch.float64)
+    # float32 where the convolution may serve (it serves float32 alone), float64 elsewhere
+    convolved = convolved and groups == 1 and math.prod(kernel) > 1
+    dtype = torch.float32 if convolved else torch.float64
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if convolved else {}
+    x = torch.randn(2, cin, *[9 - d for d in range(dims)], dtype=dtype)
     if transposed:
-        w = torch.randn(cin, cout // groups, *kernel, dtype=torch.float64)
+        w = torch.randn(cin, cout // groups, *kernel, dtype=dtype)
     else:
-        w = torch.randn(cout, cin // groups, *kernel, dtype=torch.float64)
+        w = torch.randn(cout, cin // groups, *kernel, dtype=dtype)
     args = (stride, padding, dilation, transposed, [extra] * dims, groups)
     y = aten.convolution(x, w, None, *args)
     g = torch.randn_like(y)
@@ -68,7 +85,19 @@ def test_convolution_backward_equals_atens(
     for name, a, e in zip(("input", "weight", "bias"), got, expected, strict=True):
         assert a is not None
         assert a.shape == e.shape, name
-        torch.testing.assert_close(a, e, msg=f"gradient of the {name}")
+        torch.testing.assert_close(a, e, msg=f"gradient of the {name}", **tolerance)
+    if convolved:
+        assert taken == [True]  # the one-hot convolution, not the slices
+    else:
+        assert True not in taken
+
+
+@pytest.mark.parametrize("n", [5, 40])  # patch widths below and above the positions
+def test_a_weight_gradients_contraction_per_image_or_at_once_is_the_same(n: int) -> None:
+    rows = torch.randn(3, 4, 20, dtype=torch.float64)
+    cols = torch.randn(3, n, 20, dtype=torch.float64)
+    expected = torch.einsum("bmp,bnp->mn", rows, cols)
+    torch.testing.assert_close(windows._contracted(rows, cols), expected)
 
 
 def test_convolution_backward_computes_only_the_masked_gradients() -> None:

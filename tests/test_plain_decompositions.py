@@ -46,13 +46,14 @@ def _pair(value: int | tuple[int, ...], dims: int) -> list[int]:
 def test_convolution_backward_equals_atens(
     case: tuple, patches: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every way of taking the weight's patches, whatever the channels: channels last;
-    channels first (few channels and one group: `_narrow_weight_gradient`), as slices, or
-    (float32 alone) as one convolution with one-hot kernels at every kernel size."""
+    """Every way of taking the weight's patches, whatever the channels and sizes: slices
+    channels last; slices channels first (few channels and one group:
+    `_narrow_weight_gradient`); or (one group, float32) one convolution with one-hot
+    kernels."""
     narrow = 0 if patches == "channels_last" else 1_000
     monkeypatch.setattr(windows, "_NARROW_CHANNELS", narrow)
     convolved = patches == "convolved"
-    monkeypatch.setattr(windows, "_CONVOLVED_POSITIONS", 1_000 if convolved else 0)
+    monkeypatch.setattr(windows, "_convolved_patches_pay", lambda *_: convolved)
     taken = []
     by_convolution = windows._patches_by_convolution
 

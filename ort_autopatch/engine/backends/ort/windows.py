@@ -118,18 +118,28 @@ def _weight_gradient(
     """d(conv(source, w)) / dw contracted with `target`: shape (target channels,
     source channels / groups, *kernel).
 
-    As a matrix product with the source's patches (one strided slice of the padded source per
-    kernel position): grad_w[o, i, k] = sum over batch and positions p of target[o, p] *
-    patch_k[i, p]. Written as a convolution whose kernel is the whole target instead, ORT ran
-    it 2 to 5 times slower than this (0.3 to 0.8 ms against 0.12 for a 3x3 convolution's
-    weight on (8, 3, 32, 32)), slower than eager's whole convolution backward.
+    As a matrix product with the source's patches: grad_w[o, i, k] = sum over batch and
+    positions p of target[o, p] * patch_k[i, p]. One group takes its patches from one
+    convolution with one-hot kernels where that is faster (`_patches_by_convolution`), else
+    from one strided slice of the padded source per kernel position. Written as a convolution
+    whose kernel is the whole target instead, ORT ran it 2 to 5 times slower (0.3 to 0.8 ms
+    against 0.12 for a 3x3 convolution's weight on (8, 3, 32, 32); 2 to 4 times on
+    ResNet-50's layers), slower than eager's whole convolution backward.
     """
     dims = source.dim() - 2
     batch, channels = source.shape[0], source.shape[1]
     out_channels = target.shape[1]
     outer = list(target.shape[2:])
-    if groups == 1 and type(channels) is int and channels < _NARROW_CHANNELS:
-        return _narrow_weight_gradient(source, target, kernel, stride, padding, dilation)
+    narrow = type(channels) is int and channels < _NARROW_CHANNELS
+    if groups == 1:
+        convolved = _patches_by_convolution(source, outer, kernel, stride, padding, dilation)
+        if convolved is not None:
+            count, positions = math.prod(kernel), math.prod(outer)
+            cols = convolved.reshape(batch, channels * count, positions)  # channel-major
+            grad = _contracted(target.reshape(batch, out_channels, positions), cols)
+            return grad.reshape(out_channels, channels, *kernel)
+        if narrow:
+            return _narrow_weight_gradient(source, target, kernel, stride, padding, dilation)
     # Channels last: every patch is then a slice of whole channel rows (ORT copies those as
     # blocks; strided slices of NCHW's last axis it copied element by element, and stacking
     # (B, C, 1, ...) pieces moved blocks of a few floats: slices, stack and pad took 2 to 4
@@ -196,40 +206,32 @@ def _narrow_weight_gradient(
     padding: list[int],
     dilation: list[int],
 ) -> torch.Tensor:
-    """`_weight_gradient` for a source of few channels (an image's 3) and one group, its
-    patches taken from the channels-first source.
+    """`_weight_gradient`'s slices for a source of few channels (an image's 3) and one group,
+    cut from the channels-first source.
 
     Channels last, each patch row is a few floats, and ORT moved the patches' slices and
     their concatenation a few floats at a time (a CNN's first layer: 9 slices of (8, 32, 32,
-    3)). Channels first, the patches come in blocks of a whole image plane: from one
-    convolution with one-hot kernels where it is cheap (`_patches_by_convolution`), else one
-    slice of the padded source per kernel position, side by side along the channels.
-    """
+    3)). Channels first, every slice copies rows of the image, side by side along the
+    channels in blocks of a whole image plane (a stack along a new axis unsqueezed each, a
+    node per patch)."""
     batch, channels = source.shape[:2]
     out_channels, outer = target.shape[1], list(target.shape[2:])
     positions = math.prod(outer)
     count = math.prod(kernel)
-    by_convolution = _patches_by_convolution(source, outer, kernel, stride, padding, dilation)
-    if by_convolution is not None:
-        cols = by_convolution.reshape(batch, channels * count, positions)  # channel-major
-    else:
-        padded = aten.constant_pad_nd(source, _pads(padding), 0.0) if any(padding) else source
-        patches = []
-        for offsets in itertools.product(*(range(k) for k in kernel)):
-            patch = padded
-            for d in range(len(kernel)):
-                start = offsets[d] * dilation[d]
-                end = start + (outer[d] - 1) * stride[d] + 1
-                size = patch.shape[2 + d]
-                whole = start == 0 and stride[d] == 1 and type(end) is int and type(size) is int
-                if not (whole and end == size):  # not the window spanning the whole dimension
-                    patch = aten.slice(patch, 2 + d, start, end, stride[d])
-            patches.append(patch)
-        # along the channels (a stack along a new axis unsqueezed each, a node per patch)
-        cols = torch.cat(patches, 1).reshape(batch, count * channels, positions)
+    padded = aten.constant_pad_nd(source, _pads(padding), 0.0) if any(padding) else source
+    patches = []
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        patch = padded
+        for d in range(len(kernel)):
+            start = offsets[d] * dilation[d]
+            end = start + (outer[d] - 1) * stride[d] + 1
+            size = patch.shape[2 + d]
+            whole = start == 0 and stride[d] == 1 and type(end) is int and type(size) is int
+            if not (whole and end == size):  # not the window spanning the whole dimension
+                patch = aten.slice(patch, 2 + d, start, end, stride[d])
+        patches.append(patch)
+    cols = torch.cat(patches, 1).reshape(batch, count * channels, positions)
     grad = _contracted(target.reshape(batch, out_channels, positions), cols)
-    if by_convolution is not None:
-        return grad.reshape(out_channels, channels, *kernel)
     dims = len(kernel)
     grad = grad.reshape(out_channels, *kernel, channels)
     return grad.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
@@ -250,11 +252,6 @@ def _contracted(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return aten.mm(rows, cols.t())
 
 
-#: the most kernel positions whose patches `_patches_by_convolution` takes at stride 1 (a
-#: 5x5 kernel's ran 9 % slower than the slices; 3x3 ones 8 to 27 % faster)
-_CONVOLVED_POSITIONS = 9
-
-
 def _patches_by_convolution(
     source: torch.Tensor,
     outer: list[Any],
@@ -265,16 +262,16 @@ def _patches_by_convolution(
 ) -> torch.Tensor | None:
     """The patches of a float32 source of static sizes as one grouped convolution with one-hot
     kernels (batch, channels x kernel positions, *outer), channel-major, or None where the
-    slices are faster. Multiplying by one and adding zeros is exact. ORT copies slices strided
-    along the last dimension element by element: at stride 2 the convolution took half the
-    time (a 3x3 kernel on (8, 3, 32, 32)) to 0.58 of it (4x4 on (16, 8, 64, 64))."""
-    count = math.prod(kernel)
+    slices are faster (`_convolved_patches_pay`). Multiplying by one and adding zeros is
+    exact."""
+    count, positions = math.prod(kernel), math.prod(outer)
     if source.dtype != torch.float32 or count == 1:
-        return None
-    if count > _CONVOLVED_POSITIONS and all(s == 1 for s in stride):
         return None
     sizes = list(source.shape)
     if not all(type(size) is int for size in [*sizes, *outer]):
+        return None
+    channels = sizes[1]
+    if not _convolved_patches_pay(channels, count, positions, stride):
         return None
     reached = [
         (sizes[2 + d] + 2 * padding[d] - dilation[d] * (kernel[d] - 1) - 1) // stride[d] + 1
@@ -282,11 +279,27 @@ def _patches_by_convolution(
     ]
     if reached != outer:
         return None
-    channels = sizes[1]
     one_hot = torch.eye(count, dtype=source.dtype, device=source.device)
     weight = one_hot.reshape(count, 1, *kernel).repeat(channels, *[1] * (len(kernel) + 1))
     zeros = [0] * len(kernel)
     return aten.convolution(source, weight, None, stride, padding, dilation, False, zeros, channels)
+
+
+def _convolved_patches_pay(channels: int, count: int, positions: int, stride: list[int]) -> bool:
+    """Whether ORT takes the patches faster by the one-hot convolution than by slices (1 and 2
+    threads, weight gradient alone). Slices channels last copy channel rows a few floats at
+    a time and ORT copies slices strided along the last dimension element by element: the
+    convolution took 0.56 to 0.94 of the slices' time on ResNet-50's 3x3 layers and a
+    DCGAN's 4x4 stride-2 ones, 0.64 on a 5x5 and 0.94 on a 7x7 layer of 32 channels. Its
+    grouped products are small: below 16 positions it lost (2x2 outputs: 427 us against
+    170; one position, 213 against 65). Few channels' channels-first slices copy whole
+    planes: there the convolution paid up to 3x3 kernels (0.71 to 0.76) and at every stride
+    above 1 (0.43 to 0.83), not at 5x5 and stride 1 (1.09)."""
+    if positions < 16:
+        return False
+    if channels < _NARROW_CHANNELS and all(s == 1 for s in stride):
+        return count <= 9
+    return True
 
 
 def _window_sums(

@@ -13,9 +13,9 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   gradient came out batch-size times too large, again without an error. Decomposed.
 - `convolution_backward`: torch has no decomposition; ours below covers every stride,
   padding, dilation, groups and transposed convolution (1-d to 3-d). The weight's gradient is
-  a matrix product with the input's patches (a few channels' taken by one convolution with
-  constant one-hot kernels), not a convolution with the gradient as its kernel (which ORT
-  ran slowly).
+  a matrix product with the input's patches (for one group, where it pays, taken by one
+  convolution with constant one-hot kernels), not a convolution with the gradient as its
+  kernel (which ORT ran slowly).
 - `max_pool2d_with_indices` and its backward, for pools whose windows tile the input: an
   elementwise maximum over the windows' slots (square windows' from one `SpaceToDepth`, an
   operator of ours, `windows.window_slots`; others' strided slices), with no indices (ORT's

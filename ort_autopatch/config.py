@@ -254,11 +254,14 @@ class Config:
         flag_sets=False,
         kind=Switch(),
         engine=True,
-        help="on CPU, graphs built for one input shape (the first call's, one that keeps "
-        "coming back, see static_after, or the first shape of a model that specialises on sizes) "
-        "allocate from one ONNX Runtime arena shared by the process, which keeps each step's "
-        "buffers for the next (no page faults each step) and holds that memory until the "
-        "process exits; off: ORT's buffers are freed with each step's tensors",
+        help="on CPU, once a graph is built for one input shape (the first call's, one that "
+        "keeps coming back, see static_after, or the first shape of a model that specialises "
+        "on sizes), the process's heap keeps a step's freed buffers for the next step, "
+        "PyTorch's and ORT's alike (no page faults each step): glibc's mmap threshold at 32 MiB "
+        "and trim threshold at 1 GiB, unless MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or "
+        "GLIBC_TUNABLES set them; without glibc such graphs allocate from one ONNX Runtime "
+        "arena shared by the process, held until it exits; off: glibc's own thresholds, "
+        "ORT's buffers freed with each step's tensors",
     )
 
     max_graph_nodes: int = option(

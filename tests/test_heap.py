@@ -1,14 +1,17 @@
-"""The first training step's heap pages, faulted in while the gradient child builds
+"""The process's heap: a step's freed buffers stay for the next step (`engine/heap.py`), and
+the first training step's pages are faulted in while the gradient child builds
 (`engine/backends/ort_training/heap.py`): later allocations of the process find them
 resident, once per process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+from ort_autopatch.engine import heap as process_heap
 from ort_autopatch.engine.backends.ort_training import heap
 
 glibc = pytest.mark.skipif(heap._glibc() is None, reason="glibc's malloc")
@@ -17,6 +20,7 @@ glibc = pytest.mark.skipif(heap._glibc() is None, reason="glibc's malloc")
 # faults that took: each fresh page faults once (2048 pages), a resident one never.
 _FAULTS = """
 import ctypes, resource, sys
+from ort_autopatch.engine import heap as process_heap
 from ort_autopatch.engine.backends.ort_training import heap
 if sys.argv[1] == "prefault":
     with heap.FirstStepPages(limit=8 << 20) as pages:
@@ -70,3 +74,95 @@ def test_without_glibc_nothing_is_touched(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(heap, "_glibc", lambda: None)
     with heap.FirstStepPages() as pages:
         assert not pages.more()
+
+
+# Three steps, each allocating, writing and freeing six blocks of 20 MiB (glibc's adaptive
+# thresholds return them: the first is mapped afresh, the others leave more than twice its size
+# free at the heap's top); prints the page faults of the third step.
+_STEPS = """
+import ctypes, resource, sys
+from ort_autopatch.engine import heap
+if sys.argv[1] == "keep":
+    assert heap.keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+def step():
+    blocks = [libc.malloc(20 << 20) for _ in range(6)]
+    for block in blocks:
+        ctypes.memset(block, 1, 20 << 20)
+    for block in reversed(blocks):
+        libc.free(block)
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _step_faults(mode: str, **env: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", _STEPS, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+    )
+    return int(done.stdout.split()[-1])
+
+
+@glibc
+def test_a_step_finds_the_buffers_the_step_before_freed() -> None:
+    assert _step_faults("plain") > 25000  # 120 MiB faulted in again: 30,720 pages
+    assert _step_faults("keep") < 500
+
+
+@glibc
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"MALLOC_TRIM_THRESHOLD_": "0"},
+        {"MALLOC_MMAP_THRESHOLD_": "131072"},
+        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+    ],
+    ids=["trim", "mmap", "tunables"],
+)
+def test_thresholds_the_user_set_stay_as_they_are(setting: dict[str, str]) -> None:
+    assert _step_faults("keep", **setting) > 25000
+
+
+def test_without_glibc_the_heap_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(process_heap, "_kept", None)
+    monkeypatch.setattr(process_heap, "glibc", lambda: None)
+    assert not process_heap.keep_freed_memory()
+    process_heap.release_freed()  # nothing to release: no error
+
+
+@glibc
+def test_release_freed_gives_a_builds_free_pages_back() -> None:
+    script = """
+import ctypes
+from ort_autopatch.engine import heap
+assert heap.keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+kept = libc.malloc(1 << 20)
+blocks = [libc.malloc(8 << 20) for _ in range(12)]
+last = libc.malloc(1 << 20)  # keeps the blocks below the heap's top
+for block in blocks:
+    ctypes.memset(block, 1, 8 << 20)
+for block in blocks:
+    libc.free(block)
+before = rss()
+heap.release_freed()
+print(before - rss())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout.split()[-1]) > 80  # of the 96 MiB freed in the heap's middle

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ort_autopatch.engine import aside, budget, gc_freeze, session, verify
+from ort_autopatch.engine import aside, budget, gc_freeze, heap, session, verify
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.backend import Backend, RunHooks
 from ort_autopatch.engine.callkey import KeyMaker, Shapes
@@ -94,8 +94,11 @@ class Builder:
                     entry = self._aside(miss, reason)
                     if entry is not None:
                         return entry
-                with gc_freeze.frozen_heap():
-                    return self._build(miss, reason)
+                try:
+                    with gc_freeze.frozen_heap():
+                        return self._build(miss, reason)
+                finally:
+                    heap.release_freed()
         except SessionError as exc:
             missing = _MISSING_KERNEL.search(exc.cause)
             if miss.autocast is None or missing is None:

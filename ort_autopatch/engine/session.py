@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ort_autopatch.engine import dlpack, rng, runtime
+from ort_autopatch.engine import dlpack, heap, rng, runtime
 from ort_autopatch.engine.errors import (
     ExecutionError,
     SessionError,
@@ -70,8 +70,10 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
         options.enable_mem_reuse = False
     # A session's own CPU arena never gives memory back: tensors handed to PyTorch return to
     # it when PyTorch frees them, and with inputs of varying size it grows step after step (3
-    # GiB a step with 1 GiB inputs). Plain allocations are freed when the step's tensors are;
-    # graphs that serve one input shape use the shared arena instead (`shared_arena`).
+    # GiB a step with 1 GiB inputs). Plain allocations are freed when the step's tensors are,
+    # into a heap that keeps them for the next step (`heap.keep_freed_memory`, set by the
+    # first graph that serves one input shape); without glibc such graphs use the shared
+    # arena instead (`shared_arena`).
     options.enable_cpu_mem_arena = False
     # Same seed, same numbers: ORT's kernels take their deterministic path, whatever
     # torch.use_deterministic_algorithms says (PyTorch's CPU kernels already are).
@@ -100,8 +102,9 @@ _SAME_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: extend by the req
 
 
 def shared_arena() -> bool:
-    """Register, once per process, the CPU arena that sessions built with `arena` share;
-    False when ONNX Runtime refuses it (those sessions then allocate plainly).
+    """Register, once per process, the CPU arena that sessions built with `arena` share where
+    the process's heap cannot keep freed buffers (`heap.keep_freed_memory`: a C library other
+    than glibc); False when ONNX Runtime refuses it (those sessions then allocate plainly).
 
     Why: freed plainly, a step's buffers go back to glibc, which returns the top of its heap
     to the system, so the next step page-faults every buffer in again (about 2,000 faults, 6
@@ -211,7 +214,7 @@ def create(
     ort, _ = runtime.load(training=False)
     providers = _providers(device, stream)
     options = _session_options(settings, training)
-    if settings.arena and device.type == "cpu" and shared_arena():
+    if settings.arena and device.type == "cpu" and not heap.keep_freed_memory() and shared_arena():
         options.add_session_config_entry("session.use_env_allocators", "1")
     if optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

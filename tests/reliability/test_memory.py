@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ort_autopatch import patcher, report
-from ort_autopatch.engine import EngineOptions, session
+from ort_autopatch.engine import EngineOptions, heap, session
 from tests.helpers import plain_backend, repatch
 from tests.reliability.models import Encoder, Mlp, TinyLM, rss_mb
 
@@ -118,6 +118,34 @@ def _uses_shared_arena(ort_session: object) -> bool:
         return False
 
 
+@pytest.fixture
+def heap_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's heap cannot keep freed buffers (a C library other than glibc): sessions
+    that serve one shape allocate from ORT's shared arena instead."""
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda: False)
+
+
+@pytest.mark.parametrize("arena", [True, False])
+def test_where_the_heap_keeps_freed_buffers_no_session_takes_the_arena(
+    arena: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With glibc the heap PyTorch allocates from keeps a step's buffers for ORT's next step
+    and the optimizer's alike (`engine/heap.py`): a graph that serves one shape asks it to,
+    and no session holds a second heap of its own."""
+    from ort_autopatch.engine import ModuleEngine
+
+    asked: list[bool] = []
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda: asked.append(True) or True)
+    gc.collect()
+    earlier = set(session._live)
+    engine = ModuleEngine(Mlp(), EngineOptions(memory_arena=arena))
+    engine(torch.randn(6, 8)).sum().backward()  # the first call: a static-shape graph
+    built = [s for s in session._live if s not in earlier]
+    assert built and not any(map(_uses_shared_arena, built))
+    assert bool(asked) == arena
+
+
+@pytest.mark.usefixtures("heap_keeps_nothing")
 @pytest.mark.parametrize("arena", [True, False])
 def test_only_static_shape_graphs_allocate_from_the_shared_arena(arena: bool) -> None:
     from ort_autopatch.engine import ModuleEngine
@@ -140,6 +168,7 @@ def test_only_static_shape_graphs_allocate_from_the_shared_arena(arena: bool) ->
     assert sorted(map(_uses_shared_arena, built)) == [False, False, arena, arena, arena]
 
 
+@pytest.mark.usefixtures("heap_keeps_nothing")
 @pytest.mark.parametrize("arena", [True, False])
 def test_only_the_first_shape_of_a_model_that_specialises_on_sizes_uses_the_shared_arena(
     arena: bool,
@@ -167,6 +196,7 @@ def test_only_the_first_shape_of_a_model_that_specialises_on_sizes_uses_the_shar
     assert len(uses) in (2, 4) and sorted(uses) == sorted([arena] * half + [False] * half)
 
 
+@pytest.mark.usefixtures("heap_keeps_nothing")
 def test_outputs_and_gradients_from_the_shared_arena_outlive_their_model() -> None:
     """They are ORT's buffers handed to PyTorch: the arena must not reuse them while PyTorch
     holds them, even after the model, its engine and its sessions are gone."""
@@ -268,7 +298,7 @@ SOAK = """
 import gc, os, random, sys, json
 import torch
 from ort_autopatch import patcher
-from ort_autopatch.engine import EngineOptions, session
+from ort_autopatch.engine import EngineOptions, heap, session
 sys.path.insert(0, {root!r})
 from tests.reliability.models import Encoder, TinyLM, rss_mb
 

@@ -12,19 +12,22 @@ largest dynamic threshold (32 MiB) raises the mmap threshold to it and the trim 
 twice that, as any program's first `free` of such a tensor does; then chunks of 2 MiB are
 allocated, populated in one call each (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14: 29 MiB in
 1.5-7 ms at load 3-7, where writing 48 MiB with memset took 70-90 ms) and freed into the
-heap's top, which stays. Their contents are never read: only where memory comes from
-changes, not what any step computes. Done once per process, only with glibc (another
-allocator keeps its own rules) and only for as long as the child is still building.
+heap's top, which stays (where `engine.heap.keep_freed_memory` set the thresholds already,
+the first `free` changes nothing and the chunks stay all the same). Their contents are never
+read: only where memory comes from changes, not what any step computes. Done once per
+process, only with glibc (another allocator keeps its own rules) and only for as long as the
+child is still building.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 from types import TracebackType
 from typing import Any
+
+from ort_autopatch.engine.heap import glibc
 
 #: Freed, this raises glibc's mmap threshold to its size (below DEFAULT_MMAP_THRESHOLD_MAX,
 #: 32 MiB on 64-bit systems, beyond which a free leaves the threshold alone) and its trim
@@ -43,12 +46,12 @@ _used = False  # once per process: later steps find the heap the first step left
 
 def _glibc() -> Any:
     """The C library's malloc, free and madvise when they are glibc's, else None."""
+    libc = glibc()
+    if libc is None:
+        return None
     try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return None
-        libc = ctypes.CDLL(None)
         malloc, free, madvise = libc.malloc, libc.free, libc.madvise
-    except (AttributeError, OSError, ValueError):
+    except AttributeError:
         return None
     malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     free.restype, free.argtypes = None, [ctypes.c_void_p]

@@ -342,6 +342,12 @@ def _reset_peak() -> bool:
 
 
 def _process_peak_mb() -> float:
+    """This process's peak RSS so far. Linux keeps `ru_maxrss` across fork and exec, so a
+    child started by a large parent would report the parent's peak: its own memory's
+    high-water mark (VmHWM) comes first."""
+    own = _status_mb("VmHWM")
+    if own is not None:
+        return own
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
@@ -366,6 +372,7 @@ def child(
     start = time.perf_counter()
     losses = [_step(call, opt, batches[0], spec)]
     first = time.perf_counter() - start
+    first_peak = _process_peak_mb()  # before the mark is reset
     reset = _reset_peak()
     times = []
     for b in batches[1:]:
@@ -379,7 +386,7 @@ def child(
         "losses": losses,
         "model_rss_mb": rss_model,
         "step_peak_rss_mb": step_peak,  # None where the mark could not be reset
-        "process_peak_rss_mb": _process_peak_mb(),
+        "process_peak_rss_mb": max(first_peak, _process_peak_mb()),
     }
 
 

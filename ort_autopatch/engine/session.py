@@ -46,6 +46,15 @@ class SessionSettings:
 
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
+#: sessions of graphs built for one input shape, on CPU where the heap keeps freed buffers:
+#: their runs take every block from the heap (`run_scope`)
+_heap_served: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def run_scope(session: Any) -> contextlib.AbstractContextManager[Any]:
+    """What each run of `session` runs inside (`heap.WHOLE_HEAP` for a graph built for one
+    input shape, where glibc keeps freed buffers: its large buffers stay for its next run)."""
+    return heap.run_scope() if session in _heap_served else heap.NO_SCOPE
 
 
 def live_sessions() -> int:
@@ -214,7 +223,8 @@ def create(
     ort, _ = runtime.load(training=False)
     providers = _providers(device, stream)
     options = _session_options(settings, training)
-    if settings.arena and device.type == "cpu" and not heap.keep_freed_memory() and shared_arena():
+    from_heap = settings.arena and device.type == "cpu" and heap.keep_freed_memory()
+    if settings.arena and device.type == "cpu" and not from_heap and shared_arena():
         options.add_session_config_entry("session.use_env_allocators", "1")
     if optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -237,6 +247,8 @@ def create(
                 "Run this class eagerly (the default fallback policy does) and report the model",
             ) from exc
         _live.add(session)
+        if from_heap:
+            _heap_served.add(session)
         captured = None
         if target is not None and os.path.exists(target):
             with open(target, "rb") as handle:
@@ -259,6 +271,8 @@ class RunnableSession:
     #: ORT's OrtValueVector type, for each run's fetches (read once: every call runs this)
     new_vector: Any
     stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
+    #: what each run runs inside (`run_scope`)
+    scope: contextlib.AbstractContextManager[Any] = heap.NO_SCOPE
 
     @classmethod
     def of(
@@ -278,6 +292,7 @@ class RunnableSession:
             run_options=runtime.capi().RunOptions(),
             stream=stream,
             new_vector=runtime.capi().OrtValueVector,
+            scope=run_scope(session),
         )
 
     def run(
@@ -286,7 +301,7 @@ class RunnableSession:
         """The fetches of one run over `feeds` (ORT's own exception on failure: the caller
         names the phase, `execution_error`)."""
         fetches = self.new_vector()
-        with dlpack.on_stream(self.stream) as caller:  # a shared no-op on CPU
+        with self.scope, dlpack.on_stream(self.stream) as caller:  # no-ops on CUDA
             self.session._sess.run_with_ortvaluevector(
                 self.run_options,
                 self.feed_names,

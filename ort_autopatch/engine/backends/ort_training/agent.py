@@ -4,13 +4,14 @@ InferenceSession over the forward graph for calls that need no gradients."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ort_autopatch.engine import runtime, sandbox
+from ort_autopatch.engine import heap, runtime, sandbox
 from ort_autopatch.engine.errors import (
     GradientBuildError,
     RuntimeUnavailableError,
@@ -24,6 +25,7 @@ from ort_autopatch.engine.session import (
     create,
     ort_device,
     ort_message,
+    run_scope,
 )
 
 
@@ -85,6 +87,8 @@ class TrainingProgram:
     stream: Any = None  # the CUDA stream the session runs on (`compute_stream`), None on CPU
     # the graph has PythonOp nodes (whose contexts a forward collects); ATen nodes keep none
     python_nodes: bool = False
+    #: what each forward and backward runs inside (`session.run_scope`)
+    scope: contextlib.AbstractContextManager[Any] = heap.NO_SCOPE
 
 
 def build_gradient(
@@ -379,6 +383,7 @@ def build_training(
         optimized=captured,
         stream=stream,
         python_nodes=facts.python_nodes,
+        scope=run_scope(session),
     )
 
 

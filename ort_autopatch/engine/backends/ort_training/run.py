@@ -220,12 +220,17 @@ class TrainingGraph:
         if not program.python_nodes and program.stream is None:
             # nothing to collect or order (the common CPU graph): the same run, a few us cheaper
             try:
-                program.agent.run_forward(dlpack.push(feeds, kept), outputs_vector, state, None)
+                with program.scope:
+                    program.agent.run_forward(dlpack.push(feeds, kept), outputs_vector, state, None)
             except Exception as exc:
                 raise _failure(self.hooks.module_class, "forward", exc) from exc
             return state, dlpack.pull(outputs_vector), []
         try:
-            with nodes.collecting() as contexts, dlpack.on_stream(program.stream) as caller:
+            with (
+                nodes.collecting() as contexts,
+                program.scope,
+                dlpack.on_stream(program.stream) as caller,
+            ):
                 program.agent.run_forward(dlpack.push(feeds, kept), outputs_vector, state, None)
         except Exception as exc:
             nodes.release(contexts)
@@ -252,7 +257,7 @@ class TrainingGraph:
             grads.append(grad)
         results = runtime.capi().OrtValueVector()
         try:
-            with dlpack.on_stream(program.stream) as caller:
+            with program.scope, dlpack.on_stream(program.stream) as caller:
                 program.agent.run_backward(dlpack.push(grads), results, run.state)
         except Exception as exc:
             failure = _failure(self.hooks.module_class, "backward", exc)

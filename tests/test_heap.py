@@ -166,3 +166,60 @@ print(before - rss())
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     )
     assert int(done.stdout.split()[-1]) > 80  # of the 96 MiB freed in the heap's middle
+
+
+# Blocks of 48 MiB, above the largest mmap threshold glibc accepts: three steps allocate,
+# write and free two (inside `WHOLE_HEAP` or not), then the page faults of the third step, and
+# how much of a 48 MiB block allocated and freed after it stays resident.
+_LARGE = """
+import ctypes, resource, sys
+from ort_autopatch.engine import heap
+assert heap.keep_freed_memory()
+scope = heap.run_scope() if sys.argv[1] == "scoped" else heap.NO_SCOPE
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+def step():
+    with scope:
+        blocks = [libc.malloc(48 << 20) for _ in range(2)]
+        for block in blocks:
+            ctypes.memset(block, 1, 48 << 20)
+    for block in blocks:
+        libc.free(block)
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+start = rss()
+block = libc.malloc(48 << 20)  # outside the scope: mapped apart, as glibc always does
+ctypes.memset(block, 1, 48 << 20)
+libc.free(block)
+print(faults, rss() - start)
+"""
+
+
+def _large_blocks(mode: str) -> tuple[int, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", _LARGE, mode], capture_output=True, text=True, check=True
+    )
+    faults, kept = done.stdout.split()[-2:]
+    return int(faults), int(kept)
+
+
+@glibc
+def test_a_static_graphs_runs_find_their_large_blocks_in_the_heap_and_only_they() -> None:
+    faults, kept = _large_blocks("scoped")
+    assert faults < 500  # 96 MiB found in the heap, not mapped afresh
+    assert kept < 8  # after the runs, a large block goes back to the system when freed
+    faults, _ = _large_blocks("plain")
+    assert faults > 20000  # 24,576 pages mapped afresh every step
+
+
+def test_the_scope_is_a_no_op_where_the_thresholds_are_not_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(process_heap, "_kept", True)
+    monkeypatch.setattr(process_heap, "_mallopt", None)  # the user's settings, or no glibc
+    assert process_heap.run_scope() is process_heap.NO_SCOPE

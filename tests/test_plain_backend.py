@@ -202,6 +202,91 @@ def test_a_reshape_chain_a_graph_outputs_ends_in_a_node_of_its_own_or_the_value(
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize(
+    ("chain", "left"),
+    [
+        (lambda x: x.sum([0]).t().t(), 0),  # undone: the value itself
+        (lambda x: x.permute(2, 0, 1).permute(1, 2, 0), 0),
+        (lambda x: x.transpose(0, 2).transpose(0, 2), 0),
+        (lambda x: x.transpose(0, 1).permute(2, 1, 0), 1),  # two orders: one permute
+        (lambda x: x.permute(1, 2, 0).transpose(-1, -2).transpose(0, -1), 1),  # negative dims
+        (lambda x: x.sum([0]).t().t().unsqueeze(0).transpose(1, 2), 1),
+    ],
+)
+def test_transposes_of_a_transpose_are_one_permute_or_none(
+    chain: Callable[[torch.Tensor], torch.Tensor], left: int
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    x = torch.randn(2, 3, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return chain(x).sin()  # the transposed value read by a node, not output as a view
+
+    gm = make_fx(f)(x)
+    fx_passes.transposes_composed(gm)
+    transposes = [n for n in gm.graph.nodes if n.target in fx_passes._TRANSPOSES]
+    assert len(transposes) == left, gm.graph
+    assert torch.equal(gm(x), f(x))
+
+
+def test_a_transpose_chain_a_graph_outputs_is_the_value_or_a_node_of_its_own() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grad = (x.t() @ torch.ones(3, 5)).t().t()  # a tied weight's gradient, as aot made it
+        return grad, w.t().t(), x.sum(0)
+
+    gm = make_fx(f)(x, w)
+    fx_passes.transposes_composed(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, second, _ = output.args[0]
+    assert first.target is torch.ops.aten.mm.default  # the product itself, not a copy
+    assert second.target in fx_passes._TRANSPOSES  # an input's view keeps a node of its own
+    for got, want in zip(gm(x, w), f(x, w), strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight is also the output projection (GPT-2's, BERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.embed(ids)))
+        return h @ self.embed.weight.t()
+
+
+def test_a_tied_embeddings_gradient_is_no_transpose_of_a_transpose_and_no_copy() -> None:
+    """The gradient of a weight used as an embedding and transposed as the output projection:
+    the product's transpose transposed back, and torchlib's `index_put` with a Transpose
+    that keeps every dimension before and after its ScatterND, were four copies of the
+    weight a step (GPT-2 small's 147 MiB each). None is left; gradients equal eager's."""
+    import onnx
+
+    ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(0))
+    plain = _train_like_eager(_TiedLM(), lambda: (ids,), steps=2)
+    assert plain.lowered.backward is not None
+    graph = onnx.load_from_string(plain.lowered.backward).graph
+    made = {out: node for node in graph.node for out in node.output}
+    for node in graph.node:
+        if node.op_type != "Transpose":
+            continue
+        perm = list(next(a.ints for a in node.attribute if a.name == "perm"))
+        assert perm != list(range(len(perm))), node
+        source = made.get(node.input[0])
+        assert source is None or source.op_type != "Transpose", node
+
+
 def _pads_of_parts(sizes: tuple[int, ...], dim: int, widths: list[int], order: list[int]):
     """A function summing, in `order`, the zero pads that put parts of `widths` side by side
     along `dim` of a tensor of `sizes` (what `select_backward` and `slice_backward` write

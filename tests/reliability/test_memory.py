@@ -102,10 +102,14 @@ def _sessions(records: list) -> int:
     return sum(TRAINING_SESSIONS if r.has_backward else 1 for r in records)
 
 
-def _check_arena_use(built: list, records: list, arena: bool) -> None:
-    """The plain backend: graphs traced for one call's shapes (the first call's, a shape that
-    earned its graph) allocate from the shared arena when it is on; its symbolic graph never."""
-    uses = sorted(map(_uses_shared_arena, built))
+def _check_only_static(uses: list[bool], records: list, arena: bool) -> None:
+    """`uses`, per session of `_static_and_dynamic_graphs`: the static-shape graphs' sessions
+    say `arena`, the dynamic graphs' never. The plain backend: graphs traced for one call's
+    shapes (the first call's, a shape that earned its graph); the training build: three
+    static graphs' sessions (two training, one inference) and two dynamic ones."""
+    if not PLAIN:
+        assert sorted(uses) == [False, False, arena, arena, arena]
+        return
     assert len(uses) == _sessions(records)
     assert any(uses) == arena and not all(uses)
 
@@ -125,29 +129,9 @@ def heap_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(heap, "keep_freed_memory", lambda: False)
 
 
-@pytest.mark.parametrize("arena", [True, False])
-def test_where_the_heap_keeps_freed_buffers_no_session_takes_the_arena(
-    arena: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With glibc the heap PyTorch allocates from keeps a step's buffers for ORT's next step
-    and the optimizer's alike (`engine/heap.py`): a graph that serves one shape asks it to,
-    and no session holds a second heap of its own."""
-    from ort_autopatch.engine import ModuleEngine
-
-    asked: list[bool] = []
-    monkeypatch.setattr(heap, "keep_freed_memory", lambda: asked.append(True) or True)
-    gc.collect()
-    earlier = set(session._live)
-    engine = ModuleEngine(Mlp(), EngineOptions(memory_arena=arena))
-    engine(torch.randn(6, 8)).sum().backward()  # the first call: a static-shape graph
-    built = [s for s in session._live if s not in earlier]
-    assert built and not any(map(_uses_shared_arena, built))
-    assert bool(asked) == arena
-
-
-@pytest.mark.usefixtures("heap_keeps_nothing")
-@pytest.mark.parametrize("arena", [True, False])
-def test_only_static_shape_graphs_allocate_from_the_shared_arena(arena: bool) -> None:
+def _static_and_dynamic_graphs(arena: bool) -> tuple[list, object]:
+    """A first call's static-shape graph, a dynamic one, a static one a shape earned, and the
+    inference graphs: the sessions built, and the engine."""
     from ort_autopatch.engine import ModuleEngine
 
     gc.collect()
@@ -161,11 +145,32 @@ def test_only_static_shape_graphs_allocate_from_the_shared_arena(arena: bool) ->
     with torch.no_grad():
         engine(torch.randn(6, 8))  # inference graphs: the first call's static one,
         engine(torch.randn(4, 8))  # then the dynamic one
-    built = [s for s in session._live if s not in earlier]
-    if PLAIN:
-        _check_arena_use(built, engine.records, arena)
-        return
-    assert sorted(map(_uses_shared_arena, built)) == [False, False, arena, arena, arena]
+    return [s for s in session._live if s not in earlier], engine
+
+
+@pytest.mark.parametrize("arena", [True, False])
+def test_where_the_heap_keeps_freed_buffers_static_graphs_run_from_it_and_none_takes_the_arena(
+    arena: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With glibc the heap PyTorch allocates from keeps a step's buffers for ORT's next step
+    and the optimizer's alike (`engine/heap.py`): a graph that serves one shape asks it to
+    and runs inside `heap.run_scope` (its large blocks from the heap too); a dynamic graph's
+    runs do not, and no session holds a second heap of its own."""
+    asked: list[bool] = []
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda: asked.append(True) or True)
+    built, engine = _static_and_dynamic_graphs(arena)
+    assert not any(map(_uses_shared_arena, built))
+    assert bool(asked) == arena
+    served = [s in session._heap_served for s in built]
+    _check_only_static(served, engine.records, arena)  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("heap_keeps_nothing")
+@pytest.mark.parametrize("arena", [True, False])
+def test_only_static_shape_graphs_allocate_from_the_shared_arena(arena: bool) -> None:
+    built, engine = _static_and_dynamic_graphs(arena)
+    uses = list(map(_uses_shared_arena, built))
+    _check_only_static(uses, engine.records, arena)  # type: ignore[attr-defined]
 
 
 @pytest.mark.usefixtures("heap_keeps_nothing")

@@ -278,6 +278,23 @@ def _static_sizes(node: Any) -> list[int] | None:
     return list(value.shape)
 
 
+def _as_output(gm: torch.fx.GraphModule, node: torch.fx.Node, start: torch.fx.Node) -> bool:
+    """Where `node` is a graph output, make `start` that output instead, if it may be: an
+    output once, and `start` computed in the graph and no other output (an input's view, or
+    one value output twice, keeps its own node). Whether `node`'s uses may now go to
+    `start`."""
+    output = gm.graph.find_nodes(op="output")[0]
+    if output not in node.users:
+        return True
+    single = not isinstance(output.args[0], (list, tuple))  # make_fx's graph of one value
+    outs = [output.args[0]] if single else list(output.args[0])
+    if start.op != "call_function" or start in outs or outs.count(node) != 1:
+        return False
+    outs[outs.index(node)] = start
+    output.args = (outs[0] if single else tuple(outs),)
+    return True
+
+
 def reshape_chains_as_one(gm: torch.fx.GraphModule) -> None:
     """A chain of reshapes, unsqueezes and squeezes is one reshape of the value it starts
     from, and none where that value already has the chain's shape. BatchNorm's gradient
@@ -304,23 +321,51 @@ def reshape_chains_as_one(gm: torch.fx.GraphModule) -> None:
         if not inner.users:
             gm.graph.erase_node(inner)
         changed = True
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    single = not isinstance(output.args[0], (list, tuple))  # make_fx's graph of one value
-    outs = [output.args[0]] if single else list(output.args[0])
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SHAPE_ONLY:
             continue
         start, sizes = node.args[0], _static_sizes(node)
         if not isinstance(start, torch.fx.Node) or sizes is None or sizes != _static_sizes(start):
             continue
-        if output in node.users:
-            # an output once: the value itself, where it is computed here and not an output
-            if start.op != "call_function" or start in outs or outs.count(node) != 1:
-                continue
-            outs[outs.index(node)] = start
-            output.args = (outs[0] if single else tuple(outs),)
+        if not _as_output(gm, node, start):
+            continue
         node.replace_all_uses_with(start)  # the value itself, shape and all
         gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def transposes_composed(gm: torch.fx.GraphModule) -> None:
+    """Transposes of a transpose are one permute of the value they start from, and none
+    where they undo each other. The gradient of a weight used transposed (a tied output
+    embedding, `logits = h @ wte.t()`) came out as `t(t(mm(...)))`: ONNX Runtime copied
+    GPT-2 small's 147 MiB embedding gradient twice a step to give it back its own layout.
+    Transposes are views, so the one permute is the same tensor, strides and all."""
+    changed = False
+    for node in list(gm.graph.nodes):  # in order: a chain folds into its last node
+        if node.op != "call_function" or node.target not in _TRANSPOSES:
+            continue
+        inner = node.args[0]
+        if not isinstance(inner, torch.fx.Node) or inner.target not in _TRANSPOSES:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        outer, first = _permutation(node, value.dim()), _permutation(inner, value.dim())
+        start = inner.args[0]
+        if outer is None or first is None or not isinstance(start, torch.fx.Node):
+            continue
+        order = [first[d] for d in outer]  # output dim i is dim order[i] of `start`
+        if order == list(range(len(order))):
+            if not _as_output(gm, node, start):
+                continue
+            node.replace_all_uses_with(start)
+            gm.graph.erase_node(node)
+        else:
+            node.target, node.args, node.kwargs = _aten.permute.default, (start, order), {}
+        if not inner.users:
+            gm.graph.erase_node(inner)
         changed = True
     if changed:
         gm.recompile()

@@ -116,6 +116,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     Pass("masks_multiplied_once", _each(fx_passes.masks_multiplied_once)),
     Pass("pads_summed_into_cat", _each(fx_passes.pads_summed_into_cat)),
     Pass("reshape_chains_as_one", _each(fx_passes.reshape_chains_as_one)),
+    Pass("transposes_composed", _each(fx_passes.transposes_composed)),
     Pass("int64_indices", _each(fx_passes.int64_indices)),
     Pass("expand_numel", _each(symbolic.expand_numel), lambda g: g.symbolic),
 )

@@ -85,8 +85,16 @@ def _drop_regenerated(g: PartitionedGraphs) -> None:
 
 def _save_bases_of_views(g: PartitionedGraphs) -> None:
     assert g.captured.backward is not None
+    forward = g.captured.forward
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    feeds = g.captured.feeds  # one per placeholder, in order (none known: no parameter)
+    parameters = frozenset(
+        node
+        for node, feed in zip(placeholders, feeds, strict=False)
+        if feed.kind == "param" and len(feeds) == len(placeholders)
+    )
     fx_passes.save_bases_of_views(
-        g.captured.forward, g.captured.backward, g.captured.backward_inputs
+        forward, g.captured.backward, g.captured.backward_inputs, parameters
     )
 
 

@@ -258,7 +258,8 @@ class Config:
         "keeps coming back, see static_after, or the first shape of a model that specialises "
         "on sizes), the process's heap keeps a step's freed buffers for the next step, "
         "PyTorch's and ORT's alike (no page faults each step): glibc's mmap threshold at 32 MiB "
-        "and trim threshold at 1 GiB, unless MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or "
+        "and trim threshold at 1 GiB, and no block mapped apart while such a graph runs, "
+        "unless MALLOC_MMAP_MAX_, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or "
         "GLIBC_TUNABLES set them; without glibc such graphs allocate from one ONNX Runtime "
         "arena shared by the process, held until it exits; off: glibc's own thresholds, "
         "ORT's buffers freed with each step's tensors",

@@ -86,13 +86,12 @@ def _drop_regenerated(g: PartitionedGraphs) -> None:
 def _save_bases_of_views(g: PartitionedGraphs) -> None:
     assert g.captured.backward is not None
     forward = g.captured.forward
-    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    feeds = g.captured.feeds  # one per placeholder, in order (none known: no parameter)
-    parameters = frozenset(
-        node
-        for node, feed in zip(placeholders, feeds, strict=False)
-        if feed.kind == "param" and len(feeds) == len(placeholders)
-    )
+    placeholders = forward.graph.find_nodes(op="placeholder")
+    feeds = g.captured.feeds  # one per placeholder, in order
+    parameters: frozenset[torch.fx.Node] = frozenset()
+    if len(feeds) == len(placeholders):  # else none is known to be a parameter
+        kinds = zip(placeholders, feeds, strict=True)
+        parameters = frozenset(node for node, feed in kinds if feed.kind == "param")
     fx_passes.save_bases_of_views(
         forward, g.captured.backward, g.captured.backward_inputs, parameters
     )

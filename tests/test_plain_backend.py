@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -285,6 +286,84 @@ def test_a_tied_embeddings_gradient_is_no_transpose_of_a_transpose_and_no_copy()
         assert perm != list(range(len(perm))), node
         source = made.get(node.input[0])
         assert source is None or source.op_type != "Transpose", node
+    # the gradient starts from zeros made in its own type, not made then cast (copied)
+    filled = [n for n in graph.node if n.op_type == "ConstantOfShape"]
+    assert filled
+    for node in graph.node:
+        if node.op_type in ("Cast", "CastLike"):
+            assert made[node.input[0]] not in filled, node
+
+
+def _lowered_and_run(f: Callable[..., object], *args: torch.Tensor) -> tuple[Any, list]:
+    """`f` traced on fakes, lowered alone, and run by ONNX Runtime on `args`: its ONNX graph,
+    and the outputs as torch tensors (through DLPack: numpy has no bfloat16)."""
+    import onnx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine import dlpack, session
+    from ort_autopatch.engine.backends.ort import lowering
+
+    model = lowering.to_onnx(make_fx(f, tracing_mode="fake")(*args), "M", "forward")
+    dlpack.use_inference_dlpack()
+    device = torch.device("cpu")
+    made, _ = session.create(model, device, session.SessionSettings(threads=1), "M", False)
+    outputs = session.RunnableSession.of(made, device, None).run(list(args))
+    return onnx.load_from_string(model).graph, outputs
+
+
+_FILLED_TYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (2, 1, 3, 2)])
+@pytest.mark.parametrize("dtype", _FILLED_TYPES)
+def test_new_zeros_and_ones_are_made_in_their_type_not_cast_after(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """torchlib's `new_zeros` fills a float32 tensor and casts it to the type it should have
+    (a float32 one too: a copy of the whole tensor, an embedding gradient's 147 MiB). The fill
+    is made in that type instead, the cast dropped: equal values, dtype and shape, every
+    type torch makes such tensors in, at every rank."""
+
+    def made(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.new_zeros(shape, dtype=dtype), x.new_ones(shape, dtype=dtype)
+
+    x = torch.randn(3, 4)
+    graph, outputs = _lowered_and_run(made, x)
+    producers = {out: node.op_type for node in graph.node for out in node.output}
+    for node in graph.node:
+        if node.op_type in ("Cast", "CastLike"):
+            assert producers.get(node.input[0]) != "ConstantOfShape", node
+    for got, want in zip(outputs, made(x), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [t for t in _FILLED_TYPES if t is not torch.bfloat16])
+def test_filled_tensors_of_every_type_keep_eagers_values(dtype: torch.dtype) -> None:
+    """`new_full`, `full_like` and `zeros_like` beside `new_zeros`, converting their fill to
+    the type as torch does (2.5 to an integer is 2, to bool True). (bfloat16 is left out:
+    ONNX Runtime's CPU Expand, which these broadcast with, has no bfloat16 kernel.)"""
+
+    def made(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            x.new_zeros(2, 3, dtype=dtype),
+            x.new_full((2, 2), 2.5, dtype=dtype),
+            torch.full_like(x, 2.5, dtype=dtype),
+            torch.zeros_like(x, dtype=dtype),
+        )
+
+    x = torch.randn(3, 4)
+    _, outputs = _lowered_and_run(made, x)
+    for got, want in zip(outputs, made(x), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def _pads_of_parts(sizes: tuple[int, ...], dim: int, widths: list[int], order: list[int]):

@@ -388,6 +388,7 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
+    from ort_autopatch.engine.backends.ort import onnx_passes
     from ort_autopatch.engine.backends.ort.trace_context import real_constants_allowed
 
     missing = missing_operators(gm)
@@ -425,40 +426,13 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
             f"translating the {what} graph to ONNX failed: {_operator_of(exc)}",
             "Run this class eagerly (the default fallback policy does) and report the model",
         ) from exc
-    _identity_transposes_dropped(model.graph)
+    onnx_passes.cleaned(model.graph)
     _ir_passes.add_opset_imports(model)
     # a graph whose operators all folded away (casts to the type a value has) names no
     # opset, which ONNX Runtime refuses ("Missing opset in the model")
     model.opset_imports.setdefault("", OPSET)
     proto = ir.serde.serialize_model(model)
     return bytes(proto.SerializeToString())
-
-
-def _identity_transposes_dropped(graph: Any) -> None:
-    """Transposes that keep every dimension where it is, dropped: torchlib's `index_put`
-    moves the indexed dimensions first and back, with `perm=[0, 1]` when they are first
-    already, and ONNX Runtime copies the tensor for each (an embedding's gradient: GPT-2
-    small's 147 MiB, twice a step). A graph output keeps its name, given to the value the
-    Transpose copied where that is computed in the graph and is no other output."""
-    for node in list(graph):
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
-            continue
-        perm = node.attributes.get_ints("perm")
-        source, out = node.inputs[0], node.outputs[0]
-        if perm is None or list(perm) != list(range(len(perm))) or source is None:
-            continue
-        if not out.is_graph_output():
-            out.replace_all_uses_with(source)
-            graph.remove(node, safe=True)
-            continue
-        if source.producer() is None or source.is_graph_output() or source.is_graph_input():
-            continue
-        if sum(o is out for o in graph.outputs) != 1:
-            continue
-        name = out.name
-        out.replace_all_uses_with(source, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        source.name = name
 
 
 def _operator_of(exc: BaseException) -> str:

@@ -334,7 +334,8 @@ def test_a_tied_embeddings_gradient_is_no_transpose_of_a_transpose_and_no_copy()
     """The gradient of a weight used as an embedding and transposed as the output projection:
     the product's transpose transposed back, and torchlib's `index_put` with a Transpose
     that keeps every dimension before and after its ScatterND, were four copies of the
-    weight a step (GPT-2 small's 147 MiB each). None is left; gradients equal eager's."""
+    weight a step (GPT-2 small's 147 MiB each), and the embedding's part was scattered into
+    zeros and then added to the projection's. None is left; gradients equal eager's."""
     import onnx
 
     ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(0))
@@ -349,12 +350,92 @@ def test_a_tied_embeddings_gradient_is_no_transpose_of_a_transpose_and_no_copy()
         assert perm != list(range(len(perm))), node
         source = made.get(node.input[0])
         assert source is None or source.op_type != "Transpose", node
-    # the gradient starts from zeros made in its own type, not made then cast (copied)
-    filled = [n for n in graph.node if n.op_type == "ConstantOfShape"]
-    assert filled
-    for node in graph.node:
-        if node.op_type in ("Cast", "CastLike"):
-            assert made[node.input[0]] not in filled, node
+    # the embedding's values are scattered into the projection's gradient, not into zeros
+    # then added to it
+    scatters = [n for n in graph.node if n.op_type == "ScatterND"]
+    assert len(scatters) == 1
+    assert made[scatters[0].input[0]].op_type not in ("ConstantOfShape", "Cast", "CastLike")
+    assert not any(n.op_type == "Add" and n.input[1] == scatters[0].output[0] for n in graph.node)
+
+
+_aten = torch.ops.aten
+
+
+def _scatter_sum(zeros: str, put: object, first: bool, a_shape: tuple[int, ...] = (6, 4)):
+    """A function of (a, values, index) adding `a` and values put with accumulation into
+    zeros made by `zeros` (`a`'s term first or second), as a tied embedding's gradient is."""
+
+    def f(a: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        made = {
+            "new_zeros": lambda: values.new_zeros((6, 4)),
+            "zeros": lambda: torch.zeros(6, 4),
+            "zeros_like": lambda: torch.zeros_like(torch.empty(6, 4)),
+        }[zeros]()
+        scattered = put(made, [index], values, True)  # type: ignore[operator]
+        return (a + scattered if first else scattered + a).sin()
+
+    return f, (torch.randn(*a_shape), torch.randn(5, 4), torch.tensor([3, 0, 3, 5, 3]))
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("put", [_aten.index_put.default, _aten._unsafe_index_put.default])
+@pytest.mark.parametrize("zeros", ["new_zeros", "zeros", "zeros_like"])
+def test_values_scattered_into_zeros_and_added_are_scattered_into_the_sum(
+    zeros: str, put: object, first: bool
+) -> None:
+    """A tied embedding's gradient: the embedding's part scattered into zeros, added to the
+    projection's. The values go into the projection's term at once: no zeros, no Add
+    (row 3 is indexed three times: added in turn, equal to eager's within rounding)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    f, args = _scatter_sum(zeros, put, first)
+    gm = make_fx(f)(*args)
+    fx_passes.scatters_added_into_the_sum(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert _aten.add.Tensor not in targets and not set(targets) & fx_passes._ZEROS, gm.graph
+    torch.testing.assert_close(gm(*args), f(*args), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        "broadcast",  # `a` of another shape: the sum broadcasts it
+        "scatter broadcast",  # the scattered rows broadcast over `a`'s
+        "promoted",  # `a` of another type: the sum promotes
+        "not accumulated",  # index_put without accumulation replaces: no sum to fold
+        "zeros read elsewhere",
+        "alpha",  # a + 2 * scattered
+    ],
+)
+def test_a_sum_the_scatter_cannot_take_keeps_its_add(kept: str) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    a, values, index = torch.randn(6, 4), torch.randn(5, 4), torch.tensor([3, 0, 3, 5, 3])
+
+    def f(a: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        zeros = values.new_zeros((6, 4))
+        scattered = _aten.index_put.default(zeros, [index], values, kept != "not accumulated")
+        if kept == "broadcast":
+            return (a[:1] + scattered).sin()
+        if kept == "scatter broadcast":
+            one = _aten.index_put.default(values.new_zeros((1, 4)), [index * 0], values, True)
+            return (a + one).sin()
+        if kept == "promoted":
+            return (a.double() + scattered).sin()
+        if kept == "zeros read elsewhere":
+            return (a + scattered).sin() + zeros.sum()
+        if kept == "alpha":
+            return torch.add(a, scattered, alpha=2).sin()
+        return (a + scattered).sin()
+
+    gm = make_fx(f)(a, values, index)
+    fx_passes.scatters_added_into_the_sum(gm)
+    assert any(n.target is _aten.add.Tensor for n in gm.graph.nodes), gm.graph
+    torch.testing.assert_close(gm(a, values, index), f(a, values, index))
 
 
 def _lowered_and_run(f: Callable[..., object], *args: torch.Tensor) -> tuple[Any, list]:

@@ -3,9 +3,10 @@
 One job: turn the forward and backward graphs aot_autograd's partitioner made into graphs that
 ONNX Runtime runs, and runs fast, with the same numbers: constants made real, int32 indices
 widened, reductions without a reshape behind them, saved parameters handed over instead of
-copied, saved views made again in backward, a gradient's masks multiplied once. They run
-after the trace, in the order `passes` declares (after the linking of the graphs' inputs and
-outputs, `linking`), on graphs nothing else holds yet; each is tested on its own graphs
+copied, saved views made again in backward, a gradient's masks multiplied once, values
+scattered into zeros and added to a sum scattered into the sum. They run after the trace, in
+the order `passes` declares (after the linking of the graphs' inputs and outputs,
+`linking`), on graphs nothing else holds yet; each is tested on its own graphs
 (tests/test_plain_backend.py).
 """
 
@@ -500,6 +501,67 @@ _INDEXING = frozenset(
         _aten._unsafe_index_put.default,
     }
 )
+
+
+_PUTS = frozenset({_aten.index_put.default, _aten._unsafe_index_put.default})
+_ZEROS = frozenset({_aten.new_zeros.default, _aten.zeros.default, _aten.zeros_like.default})
+
+
+def _scatter_into_zeros(node: Any) -> tuple[torch.fx.Node, Any, Any] | None:
+    """(the zeros, the indices, the values) where `node` adds values at indices into zeros
+    that nothing else reads, the one reader of its result being the sum it is a term of."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if node.target not in _PUTS or len(node.users) != 1 or node.kwargs:
+        return None
+    zeros, indices, values, *rest = node.args
+    accumulate = rest[0] if rest else False
+    if accumulate is not True or not isinstance(zeros, torch.fx.Node):
+        return None
+    if zeros.op != "call_function" or zeros.target not in _ZEROS or len(zeros.users) != 1:
+        return None
+    return zeros, indices, values
+
+
+def scatters_added_into_the_sum(gm: torch.fx.GraphModule) -> None:
+    """`a + index_put(zeros, indices, values, accumulate=True)` is `index_put(a, indices,
+    values, accumulate=True)`: the values added into `a` itself. A tied embedding's gradient
+    is such a sum (the embedding's gradient, values scattered into zeros, and the output
+    projection's), and ONNX Runtime filled the zeros, copied them into the ScatterND's
+    result, then read both terms and wrote the sum: four passes over GPT-2 small's 147 MiB
+    and two such tensors alive at once at the end of backward, where one copy of `a` does.
+    Only where both terms have the sum's static shape and type (no broadcast, no
+    promotion). A value indexed twice is added into `a` in turn rather than summed first:
+    the same rounding as any other order of a sum."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.add.Tensor:
+            continue
+        if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+            continue
+        for k in (0, 1):
+            term, other = node.args[k], node.args[1 - k]
+            scatter = _scatter_into_zeros(term)
+            value = node.meta.get("val")
+            same = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
+            if scatter is None or not isinstance(value, torch.Tensor):
+                continue
+            own = term.meta.get("val")
+            if not isinstance(same, torch.Tensor) or not isinstance(own, torch.Tensor):
+                continue
+            if not same.dtype == own.dtype == value.dtype:
+                continue
+            sizes = _static_sizes(node)
+            if sizes is None or not sizes == _static_sizes(other) == _static_sizes(term):
+                continue
+            zeros, indices, values = scatter
+            node.target, node.args, node.kwargs = term.target, (other, indices, values, True), {}
+            gm.graph.erase_node(term)
+            gm.graph.erase_node(zeros)
+            changed = True
+            break
+    if changed:
+        gm.recompile()
 
 
 def int64_indices(gm: torch.fx.GraphModule) -> None:

@@ -124,6 +124,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     Pass("pads_summed_into_cat", _each(fx_passes.pads_summed_into_cat)),
     Pass("reshape_chains_as_one", _each(fx_passes.reshape_chains_as_one)),
     Pass("transposes_composed", _each(fx_passes.transposes_composed)),
+    Pass("scatters_added_into_the_sum", _each(fx_passes.scatters_added_into_the_sum)),
     Pass("int64_indices", _each(fx_passes.int64_indices)),
     Pass("expand_numel", _each(symbolic.expand_numel), lambda g: g.symbolic),
 )

@@ -407,6 +407,7 @@ def test_values_scattered_into_zeros_and_added_are_scattered_into_the_sum(
         "not accumulated",  # index_put without accumulation replaces: no sum to fold
         "zeros read elsewhere",
         "alpha",  # a + 2 * scattered
+        "itself",  # scattered + scattered: no other term to scatter into
     ],
 )
 def test_a_sum_the_scatter_cannot_take_keeps_its_add(kept: str) -> None:
@@ -430,6 +431,8 @@ def test_a_sum_the_scatter_cannot_take_keeps_its_add(kept: str) -> None:
             return (a + scattered).sin() + zeros.sum()
         if kept == "alpha":
             return torch.add(a, scattered, alpha=2).sin()
+        if kept == "itself":
+            return (scattered + scattered).sin()
         return (a + scattered).sin()
 
     gm = make_fx(f)(a, values, index)

@@ -541,7 +541,7 @@ def scatters_added_into_the_sum(gm: torch.fx.GraphModule) -> None:
             continue
         for k in (0, 1):
             term, other = node.args[k], node.args[1 - k]
-            scatter = _scatter_into_zeros(term)
+            scatter = None if term is other else _scatter_into_zeros(term)
             value = node.meta.get("val")
             same = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
             if scatter is None or not isinstance(value, torch.Tensor):

@@ -15,6 +15,11 @@ from typing import Any
 
 #: the ONNX domain's names (torchlib writes the default domain either way)
 _ONNX = ("", "ai.onnx")
+#: the types a ConstantOfShape makes and numpy converts to as a Cast does: the ones torch has
+_FILLABLE = frozenset(
+    {"FLOAT", "DOUBLE", "FLOAT16", "BFLOAT16", "BOOL"}
+    | {f"{sign}INT{bits}" for sign in ("", "U") for bits in (8, 16, 32, 64)}
+)
 
 
 def cleaned(graph: Any) -> None:
@@ -107,6 +112,8 @@ def casts_to_own_type_dropped(graph: Any) -> None:
             and len(source.uses()) == 1
             and not source.is_graph_output()
         ):
+            if target.name not in _FILLABLE:  # a string: the cast says how it is written
+                continue
             fill = _filled(producer).numpy().astype(target.numpy())
             producer.attributes["value"] = ir.AttrTensor("value", ir.tensor(fill, dtype=target))
             source.dtype = target

@@ -1,0 +1,125 @@
+"""The rewrites of a translated ONNX graph (`backends/ort/onnx_passes.py`) on graphs written
+node by node: what each drops, what it must keep, and the graph's outputs by name. Their
+effect on real models is tested end to end in tests/test_plain_backend.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON
+
+pytestmark = pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+
+
+def _graph(build: Any) -> Any:
+    """A graph of one float32 input `x` (2, 3), with the nodes and outputs `build(x, ir)`
+    returns."""
+    import onnx_ir as ir
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 3]))
+    nodes, outputs = build(x, ir)
+    return ir.Graph([x], outputs, nodes=nodes, opset_imports={"": 18})
+
+
+def _run(graph: Any) -> dict[str, Any]:
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    model = ir.Model(graph, ir_version=10)
+    proto = ir.serde.serialize_model(model).SerializeToString()
+    session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, {"x": x}), strict=True))
+
+
+def test_a_cast_to_the_type_a_value_has_is_dropped_and_an_output_keeps_its_name() -> None:
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    def build(x: Any, ir: Any) -> Any:
+        doubled = ir.node("Add", [x, x])
+        same = ir.node("Cast", [doubled.outputs[0]], {"to": ir.DataType.FLOAT})
+        read = ir.node("Neg", [same.outputs[0]])
+        out = ir.node("Cast", [read.outputs[0]], {"to": ir.DataType.FLOAT})
+        out.outputs[0].name = "y"
+        for node in (doubled, read):
+            node.outputs[0].dtype = ir.DataType.FLOAT
+        return [doubled, same, read, out], [out.outputs[0]]
+
+    graph = _graph(build)
+    onnx_passes.casts_to_own_type_dropped(graph)
+    assert [n.op_type for n in graph] == ["Add", "Neg"]
+    assert _run(graph)["y"].tolist() == [[-0.0, -2.0, -4.0], [-6.0, -8.0, -10.0]]
+
+
+def test_an_inputs_cast_to_its_own_type_as_an_output_stays_a_node() -> None:
+    """An output cannot take an input's name: the node stays, and the output its name."""
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    def build(x: Any, ir: Any) -> Any:
+        cast = ir.node("Cast", [x], {"to": ir.DataType.FLOAT})
+        cast.outputs[0].name = "y"
+        return [cast], [cast.outputs[0]]
+
+    graph = _graph(build)
+    onnx_passes.casts_to_own_type_dropped(graph)
+    assert [n.op_type for n in graph] == ["Cast"]
+    assert _run(graph)["y"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("to", ["INT64", "BOOL", "FLOAT16", "DOUBLE"])
+def test_a_filled_tensor_cast_after_is_filled_in_that_type(to: str) -> None:
+    """ConstantOfShape(value=2.5) then a cast: the fill is made in the cast's type, converted
+    as the Cast converts it (2.5 to an integer is 2, to bool True)."""
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    def build(x: Any, ir: Any) -> Any:
+        shape = ir.node("Shape", [x])
+        fill = ir.tensor(np.array([2.5], dtype=np.float32))
+        filled = ir.node("ConstantOfShape", [shape.outputs[0]], {"value": fill})
+        cast = ir.node("Cast", [filled.outputs[0]], {"to": ir.DataType[to]})
+        cast.outputs[0].name = "y"
+        return [shape, filled, cast], [cast.outputs[0]]
+
+    expected = _run(_graph(build))["y"]
+    graph = _graph(build)
+    onnx_passes.casts_to_own_type_dropped(graph)
+    assert [n.op_type for n in graph] == ["Shape", "ConstantOfShape"]
+    got = _run(graph)["y"]
+    assert got.dtype == expected.dtype and np.array_equal(got, expected)
+
+
+def test_a_filled_tensor_cast_to_strings_keeps_its_cast() -> None:
+    """A ConstantOfShape makes no strings, and how a number is written as one is the
+    Cast's to say: left as it is."""
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    def build(x: Any, ir: Any) -> Any:
+        shape = ir.node("Shape", [x])
+        filled = ir.node("ConstantOfShape", [shape.outputs[0]])
+        cast = ir.node("Cast", [filled.outputs[0]], {"to": ir.DataType.STRING})
+        cast.outputs[0].name = "y"
+        return [shape, filled, cast], [cast.outputs[0]]
+
+    graph = _graph(build)
+    onnx_passes.casts_to_own_type_dropped(graph)
+    assert [n.op_type for n in graph] == ["Shape", "ConstantOfShape", "Cast"]
+    assert _run(graph)["y"].tolist() == [["0", "0", "0"], ["0", "0", "0"]]
+
+
+def test_a_transpose_that_moves_nothing_is_dropped() -> None:
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    def build(x: Any, ir: Any) -> Any:
+        moved = ir.node("Transpose", [x], {"perm": [1, 0]})
+        still = ir.node("Transpose", [moved.outputs[0]], {"perm": [0, 1]})
+        still.outputs[0].name = "y"
+        return [moved, still], [still.outputs[0]]
+
+    graph = _graph(build)
+    onnx_passes.identity_transposes_dropped(graph)
+    assert [n.op_type for n in graph] == ["Transpose"]
+    assert _run(graph)["y"].tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]

@@ -42,7 +42,10 @@ process (the first call's export included).
 `--profile bert` adds a fresh process per model named, in which every session the tool builds
 runs ONNX Runtime's profiler over four steps (the three after the first call counted): kernel
 time per operator type, ms per step, under the tool's `ort_profile`, to set the backends side
-by side.
+by side. The profiler's own allocations keep the heap from handing a step last step's
+blocks (GPT-2 small: 113,000 page faults a step profiled, a few hundred not), so the kernels
+that write large fresh tensors (ScatterND, Cast, Expand) read slower there than they run:
+rank by it, and time a change by steps, not by its profile.
 
 Achieved GFLOP/s is a step's arithmetic over its median time: 6 x parameters x tokens for the
 transformers (forward 2, backward 4 multiply-add halves per parameter and token), and for

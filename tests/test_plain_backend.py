@@ -361,41 +361,56 @@ def test_a_tied_embeddings_gradient_is_no_transpose_of_a_transpose_and_no_copy()
 _aten = torch.ops.aten
 
 
-def _scatter_sum(zeros: str, put: object, first: bool, a_shape: tuple[int, ...] = (6, 4)):
-    """A function of (a, values, index) adding `a` and values put with accumulation into
-    zeros made by `zeros` (`a`'s term first or second), as a tied embedding's gradient is."""
+#: (a's shape, the index tensors, the values' shape) of a scatter into zeros of a's shape
+_SCATTER_LAYOUTS = {
+    "rows": ((6, 4), lambda: [torch.tensor([3, 0, 3, 5, 3])], (5, 4)),  # an embedding's
+    "elements": ((6,), lambda: [torch.tensor([3, 0, 3, 5, 3])], (5,)),
+    "ids in a batch": ((6, 4), lambda: [torch.tensor([[3, 0, 3], [5, 3, 1]])], (2, 3, 4)),
+    "two indices": ((4, 5, 3), lambda: [torch.tensor([1, 0, 1]), torch.tensor([4, 2, 4])], (3, 3)),
+}
 
-    def f(a: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+
+def _scatter_sum(zeros: str, put: object, first: bool, layout: str = "rows"):
+    """A function of (a, values, *indices) adding `a` and values put with accumulation into
+    zeros made by `zeros` (`a`'s term first or second), as a tied embedding's gradient is;
+    and its arguments."""
+    shape, indices, values_shape = _SCATTER_LAYOUTS[layout]
+
+    def f(a: torch.Tensor, values: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
         made = {
-            "new_zeros": lambda: values.new_zeros((6, 4)),
-            "zeros": lambda: torch.zeros(6, 4),
-            "zeros_like": lambda: torch.zeros_like(torch.empty(6, 4)),
+            "new_zeros": lambda: values.new_zeros(shape),
+            "zeros": lambda: torch.zeros(shape),
+            "zeros_like": lambda: torch.zeros_like(torch.empty(shape)),
         }[zeros]()
-        scattered = put(made, [index], values, True)  # type: ignore[operator]
+        scattered = put(made, list(index), values, True)  # type: ignore[operator]
         return (a + scattered if first else scattered + a).sin()
 
-    return f, (torch.randn(*a_shape), torch.randn(5, 4), torch.tensor([3, 0, 3, 5, 3]))
+    return f, (torch.randn(*shape), torch.randn(*values_shape), *indices())
 
 
+@pytest.mark.parametrize("layout", list(_SCATTER_LAYOUTS))
 @pytest.mark.parametrize("first", [True, False])
 @pytest.mark.parametrize("put", [_aten.index_put.default, _aten._unsafe_index_put.default])
 @pytest.mark.parametrize("zeros", ["new_zeros", "zeros", "zeros_like"])
 def test_values_scattered_into_zeros_and_added_are_scattered_into_the_sum(
-    zeros: str, put: object, first: bool
+    zeros: str, put: object, first: bool, layout: str
 ) -> None:
     """A tied embedding's gradient: the embedding's part scattered into zeros, added to the
-    projection's. The values go into the projection's term at once: no zeros, no Add
-    (row 3 is indexed three times: added in turn, equal to eager's within rounding)."""
+    projection's. The values go into the projection's term at once: no zeros, no Add, at
+    every rank and with several index tensors; through ONNX Runtime too (an index given
+    more than once: added in turn, equal to eager's within rounding)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ort_autopatch.engine.backends.ort import fx_passes
 
-    f, args = _scatter_sum(zeros, put, first)
+    f, args = _scatter_sum(zeros, put, first, layout)
     gm = make_fx(f)(*args)
     fx_passes.scatters_added_into_the_sum(gm)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert _aten.add.Tensor not in targets and not set(targets) & fx_passes._ZEROS, gm.graph
     torch.testing.assert_close(gm(*args), f(*args), rtol=1e-6, atol=1e-6)
+    _, (ran,) = _lowered_and_run(f, *args, rewrite=fx_passes.scatters_added_into_the_sum)
+    torch.testing.assert_close(ran, f(*args), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -441,16 +456,22 @@ def test_a_sum_the_scatter_cannot_take_keeps_its_add(kept: str) -> None:
     torch.testing.assert_close(gm(a, values, index), f(a, values, index))
 
 
-def _lowered_and_run(f: Callable[..., object], *args: torch.Tensor) -> tuple[Any, list]:
-    """`f` traced on fakes, lowered alone, and run by ONNX Runtime on `args`: its ONNX graph,
-    and the outputs as torch tensors (through DLPack: numpy has no bfloat16)."""
+def _lowered_and_run(
+    f: Callable[..., object], *args: torch.Tensor, rewrite: Callable[..., None] | None = None
+) -> tuple[Any, list]:
+    """`f` traced on fakes (then `rewrite`, an FX pass, if given), lowered alone, and run by
+    ONNX Runtime on `args`: its ONNX graph, and the outputs as torch tensors (through DLPack:
+    numpy has no bfloat16)."""
     import onnx
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ort_autopatch.engine import dlpack, session
     from ort_autopatch.engine.backends.ort import lowering
 
-    model = lowering.to_onnx(make_fx(f, tracing_mode="fake")(*args), "M", "forward")
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    if rewrite is not None:
+        rewrite(gm)
+    model = lowering.to_onnx(gm, "M", "forward")
     dlpack.use_inference_dlpack()
     device = torch.device("cpu")
     made, _ = session.create(model, device, session.SessionSettings(threads=1), "M", False)

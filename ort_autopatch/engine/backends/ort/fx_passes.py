@@ -539,20 +539,12 @@ def scatters_added_into_the_sum(gm: torch.fx.GraphModule) -> None:
             continue
         if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
             continue
-        for k in (0, 1):
-            term, other = node.args[k], node.args[1 - k]
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or _static_sizes(node) is None:
+            continue
+        for term, other in (node.args, node.args[::-1]):
             scatter = None if term is other else _scatter_into_zeros(term)
-            value = node.meta.get("val")
-            same = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
-            if scatter is None or not isinstance(value, torch.Tensor):
-                continue
-            own = term.meta.get("val")
-            if not isinstance(same, torch.Tensor) or not isinstance(own, torch.Tensor):
-                continue
-            if not same.dtype == own.dtype == value.dtype:
-                continue
-            sizes = _static_sizes(node)
-            if sizes is None or not sizes == _static_sizes(other) == _static_sizes(term):
+            if scatter is None or not (_alike(term, node) and _alike(other, node)):
                 continue
             zeros, indices, values = scatter
             node.target, node.args, node.kwargs = term.target, (other, indices, values, True), {}
@@ -562,6 +554,16 @@ def scatters_added_into_the_sum(gm: torch.fx.GraphModule) -> None:
             break
     if changed:
         gm.recompile()
+
+
+def _alike(node: Any, like: torch.fx.Node) -> bool:
+    """Whether `node`'s value has `like`'s type and static shape."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == like.meta["val"].dtype
+        and _static_sizes(node) == _static_sizes(like)
+    )
 
 
 def int64_indices(gm: torch.fx.GraphModule) -> None:

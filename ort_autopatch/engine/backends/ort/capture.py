@@ -36,6 +36,7 @@ from ort_autopatch.engine.backends.ort import (
     linking,
     passes,
     recurrent,
+    stages,
     trace_context,
 )
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError, UnsupportedModelError
@@ -319,7 +320,40 @@ def capture(
             passes.PARTITIONED,
             passes.PartitionedGraphs(cls, captured, tangents, num_forward, symbolic),
         )
+    if captured.backward is not None:
+        captured.backward.meta[stages.HANDED] = _handed(captured)
     return captured
+
+
+def _handed(captured: Captured) -> frozenset[str]:
+    """The backward's inputs the call's Function may hand over to a staged backward
+    (`stages`) rather than save: values forward makes that share no memory with an output
+    of the call or an input (a view of one, or one's base, may be the same buffer: ORT's
+    Reshape returns its input's). The caller's tensors, the module's and the call's outputs
+    stay saved, where autograd's version check guards them as eager's saved tensors; and
+    letting go of memory something else holds frees nothing (GPT-2's saved views of its
+    logits)."""
+    assert captured.backward is not None
+    outputs = next(n for n in captured.forward.graph.nodes if n.op == "output").args[0]
+    seen = {_base(outputs[k]) for k in (*captured.slots, *captured.mutations)}
+    names = [n.name for n in captured.backward.graph.nodes if n.op == "placeholder"]
+    handed = []
+    for name, (kind, k) in zip(names, captured.backward_inputs, strict=True):
+        base = _base(outputs[k]) if kind == "out" else None
+        if isinstance(base, torch.fx.Node) and base.op != "placeholder" and base not in seen:
+            handed.append(name)
+    return frozenset(handed)
+
+
+def _base(value: Any) -> Any:
+    """The node whose memory `value` views (itself when it is no view)."""
+    while (
+        isinstance(value, torch.fx.Node)
+        and value.op == "call_function"
+        and value.target in linking.VIEWS
+    ):
+        value = value.args[0]
+    return value
 
 
 def _lazy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

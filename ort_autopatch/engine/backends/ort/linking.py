@@ -47,7 +47,7 @@ def input_mutations(cls: str, joint: Any, input_mutations: dict[int, int]) -> li
 
 
 #: operators whose output is a view of their first input (eager saves the input's memory)
-_VIEWS = frozenset(
+VIEWS = frozenset(
     {
         _aten.t.default,
         _aten.transpose.int,
@@ -110,7 +110,7 @@ def link(
         if kind != "out":
             continue
         node = outputs_in_order[k]
-        while node is not None and node.op == "call_function" and node.target in _VIEWS:
+        while node is not None and node.op == "call_function" and node.target in VIEWS:
             if node in user_nodes:
                 viewed_outputs.add(user_nodes[node])
             node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None

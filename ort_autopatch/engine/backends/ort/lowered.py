@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine import rng
-from ort_autopatch.engine.backends.ort import lowering, torch_nodes
+from ort_autopatch.engine.backends.ort import lowering, stages, torch_nodes
 from ort_autopatch.engine.backends.ort.aliasing import Replay
 from ort_autopatch.engine.backends.ort.capture import Captured, Feed
+from ort_autopatch.engine.backends.ort.stages import Staging
 from ort_autopatch.engine.backends.ort.torch_nodes import Segment, Split
 from ort_autopatch.engine.errors import ExportError
 
@@ -89,6 +90,8 @@ class Lowered:
     #: the graphs ("forward", "backward") cut at operators ONNX cannot express (`torch_nodes`):
     #: their bytes above are empty, their segments are here. Never stored (`torch_nodes`)
     splits: dict[str, Split] = field(default_factory=dict)
+    #: the backward as stages (`stages`), which let go of saved values as they go
+    staging: Staging | None = None
 
     @property
     def torch_nodes(self) -> dict[str, int]:
@@ -111,6 +114,8 @@ class Lowered:
         for role, cut in self.splits.items():  # a cut graph: its segments
             del found[role]
             found.update(cut.graphs(role))
+        if self.staging is not None:  # the backward as it runs, beside the whole
+            found.update(self.staging.graphs("backward"))
         return found
 
     def meta(self) -> dict[str, Any]:
@@ -130,6 +135,7 @@ class Lowered:
             "facts": {
                 role: {"inputs": f.inputs, "draws": f.draws} for role, f in self.facts.items()
             },
+            "staging": None if self.staging is None else self.staging.meta(),
         }
 
     @classmethod
@@ -157,6 +163,7 @@ class Lowered:
                 for role, f in meta["facts"].items()
                 if role in graphs
             },
+            staging=Staging.from_stored(meta.get("staging"), graphs, "backward"),
         )
 
 
@@ -172,6 +179,7 @@ class Graphs:
     facts: dict[str, GraphFacts]
     random_operators: list[str]  # forward's (`verify.random_ops`)
     splits: dict[str, Split] = field(default_factory=dict)  # see `Lowered.splits`
+    staging: Staging | None = None  # see `Lowered.staging`
 
     @classmethod
     def of(cls, parts: list[LoweredGraph]) -> Graphs:
@@ -187,6 +195,7 @@ class Graphs:
             facts={part.role: part.facts for part in parts},
             random_operators=forward.random_operators,
             splits={part.role: part.split for part in parts if part.split is not None},
+            staging=None if backward is None else backward.staging,
         )
 
 
@@ -201,6 +210,7 @@ class LoweredGraph:
     facts: GraphFacts
     random_operators: list[str]  # forward's (`verify.random_ops`); a backward's are not read
     split: Split | None = None
+    staging: Staging | None = None  # a backward's stages (`stages.cut`)
 
 
 def lower_graph(
@@ -224,7 +234,10 @@ def lower_graph(
         return LoweredGraph(role, b"", plan, facts, random if role == "forward" else [], split)
     model = lowering.to_onnx(gm, cls, role, promoted)
     random = verify.random_ops(onnx.load_from_string(model)) if role == "forward" else []
-    return LoweredGraph(role, model, plan, GraphFacts.of(model), random)
+    staging = None
+    if role == "backward":  # run in stages where that lowers its peak (`stages`)
+        staging = stages.cut(model, gm.meta.get(stages.HANDED, frozenset()))
+    return LoweredGraph(role, model, plan, GraphFacts.of(model), random, staging=staging)
 
 
 def lower_graphs(
@@ -305,4 +318,5 @@ def lower(captured: Captured, cls: str, graphs: Graphs | None = None) -> Lowered
         facts=graphs.facts,
         random_operators=graphs.random_operators,
         splits=graphs.splits,
+        staging=graphs.staging,
     )

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ort_autopatch.engine import budget, calls, sandbox
+from ort_autopatch.engine.backends.ort import stages
 from ort_autopatch.engine.errors import BuildOverBudget, ExportError
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class Encoded:
 
     nodes: list[_Node]
     constants: dict[str, torch.Tensor]
+    #: the inputs the graph's caller hands over (`stages.HANDED`)
+    handed: frozenset[str] = frozenset()
 
 
 def _target(target: Any) -> tuple[str, ...]:
@@ -270,7 +273,7 @@ def encode(gm: torch.fx.GraphModule) -> Encoded:
                 _meta(node),
             )
         )
-    return Encoded(nodes, constants)
+    return Encoded(nodes, constants, frozenset(gm.meta.get(stages.HANDED, ())))
 
 
 def decode(encoded: Encoded, fake: bool) -> torch.fx.GraphModule:
@@ -330,7 +333,9 @@ def decode(encoded: Encoded, fake: bool) -> torch.fx.GraphModule:
             node.meta["val"] = encoded.constants[spec.target]
         elif spec.op != "output":
             node.meta["val"] = value_of(spec.val)
-    return torch.fx.GraphModule(root, graph)
+    gm = torch.fx.GraphModule(root, graph)
+    gm.meta[stages.HANDED] = encoded.handed
+    return gm
 
 
 def _implemented_names() -> list[tuple[str, ...]]:

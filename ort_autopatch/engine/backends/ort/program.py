@@ -7,8 +7,12 @@ backward reads, a gradient equal to its cotangent) are served on the torch side 
 sent through ORT. A call's Function saves what the partitioner chose for the backward with
 `save_for_backward`, so autograd's version check guards it as eager's saved tensors, and copies
 the new values of the buffers forward updated (BatchNorm's statistics) into the module's
-buffers, as eager's in-place update does. Dropout draws from ORT's generator, seeded before
-each forward from the tool's own stream (`rng`): torch's generator is never drawn from.
+buffers, as eager's in-place update does. A backward run in stages (`stages`) is handed the
+values forward made that nothing else holds instead (`OrtProgram.handed`): it lets go of each
+after the last stage that reads it, unless the backward keeps the graph (`retain_graph`), and
+a backward after one that let go raises autograd's own error. Dropout draws from ORT's
+generator, seeded before each forward from the tool's own stream (`rng`): torch's generator is
+never drawn from.
 
 A recomputing call (`OrtProgram.recomputing_forward`) saves the feeds alone and runs the
 forward session again in backward, with the forward's seed, before the backward session: for
@@ -19,7 +23,7 @@ another mask.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +31,7 @@ import torch
 
 from ort_autopatch.engine import dlpack, graph_function, rng, session
 from ort_autopatch.engine.backend import RunHooks
+from ort_autopatch.engine.backends.ort import stages
 from ort_autopatch.engine.backends.ort.lowered import GraphFacts, Lowered
 from ort_autopatch.engine.backends.ort.torch_nodes import Split
 from ort_autopatch.engine.errors import ExecutionError
@@ -43,11 +48,16 @@ class _Session:
     #: ("none", -1)
     outputs: list[tuple[str, int]]
     draws: bool  # a run reads ORT's generator (dropout): seed it first
+    #: the runnable lets go of each feed once it has read it (`stages`): `run` hands the
+    #: caller's values over
+    consumes: bool = False
 
     def __post_init__(self) -> None:
         # whether the fetches are the outputs as they are (no input passed through, none
         # missing): read once, not per run
         self._as_fetched = self.outputs == [("onnx", k) for k in range(len(self.outputs))]
+        passed = {k for kind, k in self.outputs if kind == "in"}
+        self._handed = [k for k in self.feeds if k not in passed] if self.consumes else []
 
     def run(
         self,
@@ -63,8 +73,13 @@ class _Session:
             return [values[k] if kind == "in" else None for kind, k in self.outputs]
         if self.draws:
             rng.seed_runs(seed)
+        feeds = [values[k] for k in self.feeds]
+        if self._handed:  # held by the runnable alone from here (`values` is the caller's own)
+            assert isinstance(values, list)
+            for k in self._handed:
+                values[k] = None
         try:
-            got = self.runnable.run([values[k] for k in self.feeds], kept)
+            got = self.runnable.run(feeds, kept)
         except Exception as exc:
             raise session.execution_error(cls, phase, exc) from exc
         if self._as_fetched:
@@ -87,25 +102,43 @@ def _session_for(
     settings: session.SessionSettings,
     role: str = "",
     cut: Split | None = None,
+    staging: stages.Staging | None = None,
 ) -> _Session:
-    """`cut`: the graph cut at its torch nodes (`Lowered.splits`), run segment by segment."""
+    """`cut`: the graph cut at its torch nodes (`Lowered.splits`), run segment by segment;
+    `staging`: a backward run in stages (`stages`), letting go of each input after its
+    last."""
     if not any(kind == "onnx" for kind, _ in outputs):
         # Every output is an input passed through, made on the torch side, or None (a model
         # returning its input): no operator is left to run, and no session is made
         return _Session(None, [], outputs, False)
+    inputs = {name: k for k, name in enumerate(facts.inputs)}
     if cut is not None:
         split = _SplitRunnable(cut, cls, role, device, settings)
-        inputs = {name: k for k, name in enumerate(facts.inputs)}
         feeds = [inputs[name] for name in split.feed_names]
         return _Session(split, feeds, outputs, False)  # type: ignore[arg-type]
     stream = session.compute_stream(device)
+    if staging is not None:
+        runs = []
+        for stage in staging.stages:
+            sess, _ = session.create(
+                stage.model,
+                device,
+                settings,
+                cls,
+                False,
+                stream=stream,
+                disabled_optimizers=_KEEP_DROPOUT,
+            )
+            runs.append(session.RunnableSession.of(sess, device, stream, stage.outputs))
+        staged = stages.StagedRunnable(staging, runs, facts.inputs)
+        feeds = list(range(len(facts.inputs)))
+        return _Session(staged, feeds, outputs, False, consumes=True)  # type: ignore[arg-type]
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
     sess, _ = session.create(
         model, device, settings, cls, False, stream=stream, disabled_optimizers=_KEEP_DROPOUT
     )
     runnable = session.RunnableSession.of(sess, device, stream)
-    inputs = {name: k for k, name in enumerate(facts.inputs)}
     return _Session(
         runnable=runnable,
         feeds=[inputs[name] for name in runnable.feed_names],
@@ -181,6 +214,9 @@ class OrtProgram:
     non_differentiable: frozenset[int]
 
     torch_nodes: dict[str, int] = field(default_factory=dict)  # none: no torch-calling node
+    #: saved values (positions among those backward reads) a staged backward lets go of
+    #: after their last stage (`_handed`): forward keeps them for it outside autograd
+    handed: frozenset[int] = frozenset()
     #: forward draws from random operators seeded once per session (`Recipe.redraws`)
     redraws: bool = False
 
@@ -239,17 +275,34 @@ class OrtProgram:
                 saved.append(outputs[k])
             elif kind == "feed":
                 saved.append(before.get(k, feeds[k]))
+        # Saved-tensor hooks (offloading, checkpointing) must see every saved tensor: then
+        # nothing is handed over outside autograd
+        handed = self.handed if _SAVED_TENSOR_HOOKS(False) is None else frozenset()
+        ctx.handed = [v for position, v in enumerate(saved) if position in handed]
+        ctx.handing = bool(handed)
         # the feeds and outputs backward reads through a view of them: saved for the
         # version check only
         ctx.save_for_backward(
-            *saved,
+            *[v for position, v in enumerate(saved) if position not in handed],
             *[feeds[k] for k in self.lowered.viewed_feeds],
             *[slots[k] for k in self.lowered.viewed_outputs],
         )
         return tuple(returned)
 
     def backward(self, ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[Any]:
-        saved = iter(ctx.saved_tensors)  # checks every version, the viewed feeds' too
+        kept = ctx.saved_tensors  # checks every version, the viewed feeds' too
+        if not ctx.handing:
+            return _backward(self, ctx, list(kept), grads)
+        handed = ctx.handed
+        if handed is None:
+            raise RuntimeError(_FREED)
+        if not _KEEP_GRAPH():  # the call's graph is freed after this backward, as eager's
+            ctx.handed = None
+        saved: list[torch.Tensor] = []
+        taken, held = iter(handed), iter(kept)
+        for position in range(len(handed) + len(kept)):
+            saved.append(next(taken) if position in self.handed else next(held))
+        del taken, held, handed
         return _backward(self, ctx, saved, grads)
 
     def recomputing_forward(
@@ -273,11 +326,12 @@ class OrtProgram:
         # not through the kept values: the saved copies of updated buffers would displace
         # the buffers' own
         outputs = self.forward_session.run(self.cls, "forward", feeds, None, ctx.seed)
-        saved = (
+        saved = [
             outputs[k] if kind == "out" else feeds[k]
             for kind, k in self.lowered.backward_inputs
             if kind != "tangent"
-        )
+        ]
+        del outputs
         return _backward(self, ctx, saved, grads)
 
 
@@ -353,6 +407,7 @@ def instantiate(
     )
     backward = None
     if lowered.backward is not None:
+        staging = lowered.staging if "backward" not in cuts else None
         backward = _session_for(
             lowered.backward,
             facts["backward"],
@@ -362,6 +417,7 @@ def instantiate(
             settings,
             "backward",
             cuts.get("backward"),
+            staging,
         )
     written = set(lowered.mutations.values()) | set(lowered.input_mutations.values())
     saved_feeds = {k for kind, k in lowered.backward_inputs if kind == "feed"}
@@ -402,7 +458,20 @@ def instantiate(
             if slot not in tangents
         ),
         torch_nodes=lowered.torch_nodes,
+        handed=_handed(lowered) if backward is not None and backward.consumes else frozenset(),
     )
+
+
+def _handed(lowered: Lowered) -> frozenset[int]:
+    """The saved values (by position among those backward reads) that forward's Function
+    hands over to a staged backward rather than saving them (`Staging.handed`, chosen by
+    `capture`)."""
+    assert lowered.staging is not None
+    handed = set(lowered.staging.handed)
+    names = lowered.facts["backward"].inputs  # one per backward input, in order
+    reads = zip(lowered.backward_inputs, names, strict=True)
+    saved = [name for (kind, _), name in reads if kind != "tangent"]
+    return frozenset(position for position, name in enumerate(saved) if name in handed)
 
 
 def _kept(session: _Session, values: set[int]) -> dlpack.KeptValues:
@@ -473,12 +542,14 @@ def _returned(ctx: Any, program: OrtProgram, slots: list[Any]) -> list[Any]:
 def _backward(
     program: OrtProgram,
     ctx: Any,
-    saved: Iterator[torch.Tensor],
+    saved: list[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor | None],
 ) -> list[Any]:
     """The backward session on the cotangents and `saved` (forward's values backward reads,
-    in `backward_inputs` order): one gradient (or None) per feed."""
+    in `backward_inputs` order; emptied, so that a staged backward holds them alone): one
+    gradient (or None) per feed."""
     assert program.backward_session is not None
+    saved.reverse()
     values: list[torch.Tensor] = []
     for kind, k in program.lowered.backward_inputs:
         if kind == "tangent":
@@ -491,7 +562,7 @@ def _backward(
                 grad = torch.zeros(shape, dtype=dtype, device=device)
             values.append(grad)
         else:
-            values.append(next(saved))
+            values.append(saved.pop())
     grads: list[Any] = program.backward_session.run(
         program.cls, "backward", values, program.backward_kept
     )
@@ -500,3 +571,13 @@ def _backward(
 
 #: the innermost saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), or None
 _SAVED_TENSOR_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
+#: whether the backward running now keeps the graph (`retain_graph`, `create_graph`)
+_KEEP_GRAPH = torch._C._autograd._get_current_graph_task_keep_graph
+#: a second backward through a call whose first let go of what it saved: autograd's words
+_FREED = (
+    "Trying to backward through the graph a second time (or directly access saved tensors "
+    "after they have already been freed). Saved intermediate values of the graph are freed "
+    "when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
+    "backward through the graph a second time or if you need to access saved tensors after "
+    "calling backward."
+)

@@ -387,17 +387,23 @@ def test_a_staged_backward_lets_go_of_forwards_values_as_it_goes(always_staged: 
     assert alive_at[-1] < alive_at[0]  # some were let go of before the last stage
 
 
-def test_retain_graph_keeps_a_staged_backwards_values_and_a_third_backward_raises(
-    always_staged: None,
-) -> None:
-    """As eager: a backward with `retain_graph=True` can be followed by another, one
-    without it frees the call's values, and a backward after that raises autograd's error."""
+def _staged_mlp() -> tuple[nn.Module, nn.Module, torch.Tensor, PlainCall]:
+    """An MLP, its eager twin, an input, and its call through a staged backward."""
     torch.manual_seed(0)
     model = _mlp()
     eager = copy.deepcopy(model)
     x = torch.randn(6, 16)
     plain = PlainCall(model, x)
     assert _staged(plain) >= 2
+    return model, eager, x, plain
+
+
+def test_retain_graph_keeps_a_staged_backwards_values_and_a_third_backward_raises(
+    always_staged: None,
+) -> None:
+    """As eager: a backward with `retain_graph=True` can be followed by another, one
+    without it frees the call's values, and a backward after that raises autograd's error."""
+    model, eager, x, plain = _staged_mlp()
     out, expected = plain(x).square().mean(), eager(x).square().mean()
     for loss in (out, expected):
         loss.backward(retain_graph=True)
@@ -415,12 +421,7 @@ def test_under_saved_tensor_hooks_every_saved_value_goes_through_the_hooks(
 ) -> None:
     """Offloading and checkpointing hooks see every tensor backward reads: nothing is handed
     over outside them, and the gradients are eager's."""
-    torch.manual_seed(0)
-    model = _mlp()
-    eager = copy.deepcopy(model)
-    x = torch.randn(6, 16)
-    plain = PlainCall(model, x)
-    assert _staged(plain) >= 2
+    model, eager, x, plain = _staged_mlp()
     packed: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:

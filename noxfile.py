@@ -238,6 +238,7 @@ TORCH_215_TESTS = (
     "tests/test_plain_decompositions.py",
     "tests/test_plain_backend.py",
     "tests/test_onnx_passes.py",
+    "tests/test_stages.py",
     "tests/test_plain_lowering.py",
     "tests/test_plain_dynamic_shapes.py",
     "tests/test_symbolics.py",

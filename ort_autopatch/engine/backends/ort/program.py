@@ -275,15 +275,17 @@ class OrtProgram:
                 saved.append(outputs[k])
             elif kind == "feed":
                 saved.append(before.get(k, feeds[k]))
+        handed = self.handed
         # Saved-tensor hooks (offloading, checkpointing) must see every saved tensor: then
         # nothing is handed over outside autograd
-        handed = self.handed if _SAVED_TENSOR_HOOKS(False) is None else frozenset()
-        ctx.handed = [v for position, v in enumerate(saved) if position in handed]
-        ctx.handing = bool(handed)
+        ctx.handing = bool(handed) and _SAVED_TENSOR_HOOKS(False) is None
+        if ctx.handing:
+            ctx.handed = [v for position, v in enumerate(saved) if position in handed]
+            saved = [v for position, v in enumerate(saved) if position not in handed]
         # the feeds and outputs backward reads through a view of them: saved for the
         # version check only
         ctx.save_for_backward(
-            *[v for position, v in enumerate(saved) if position not in handed],
+            *saved,
             *[feeds[k] for k in self.lowered.viewed_feeds],
             *[slots[k] for k in self.lowered.viewed_outputs],
         )

@@ -331,8 +331,8 @@ def _handed(captured: Captured) -> frozenset[str]:
     of the call or an input (a view of one, or one's base, may be the same buffer: ORT's
     Reshape returns its input's). The caller's tensors, the module's and the call's outputs
     stay saved, where autograd's version check guards them as eager's saved tensors; and
-    letting go of memory something else holds frees nothing (GPT-2's saved views of its
-    logits)."""
+    letting go of memory something else holds frees nothing (GPT-2's saved transposes of
+    its weights, views of the parameters)."""
     assert captured.backward is not None
     outputs = next(n for n in captured.forward.graph.nodes if n.op == "output").args[0]
     seen = {_base(outputs[k]) for k in (*captured.slots, *captured.mutations)}

@@ -45,6 +45,14 @@ class SessionSettings:
     profile_prefix: str | None = None  # write ORT's per-node profile (JSON) with this prefix
 
 
+#: ORT's constant folding turns a node that reads only constants into an initializer the session
+#: keeps for its lifetime. A gradient scattered into zeros (an embedding's, GPT-2 small's of
+#: 147 MiB) became a 147 MiB initializer held beside every step, and each run copied it. Above
+#: this size a constant is made when the graph runs (a fill, into a buffer the heap keeps):
+#: masks and shapes stay folded. onnxruntime 1.19.2 (the training build) has no such limit.
+FOLDING_LIMIT = 1 << 20
+FOLDING_LIMIT_KEY = "optimization.constant_folding_max_output_size_in_bytes"
+
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 #: sessions of graphs built for one input shape, on CPU where the heap keeps freed buffers:
 #: their runs take every block from the heap (`run_scope`)
@@ -88,6 +96,7 @@ def _session_options(settings: SessionSettings, training: bool) -> Any:
     # torch.use_deterministic_algorithms says (PyTorch's CPU kernels already are).
     options.use_deterministic_compute = True
     options.add_session_config_entry("session.disable_prepacking", "1")
+    options.add_session_config_entry(FOLDING_LIMIT_KEY, str(FOLDING_LIMIT))
     options.intra_op_num_threads = settings.threads or torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.log_severity_level = 4  # errors reach users through the tool's messages

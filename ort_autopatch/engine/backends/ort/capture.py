@@ -89,6 +89,9 @@ class Captured:
     #: never through the graphs (which have no cotangent for them), as in eager.
     #: user output -> `aliasing.Replay`
     regenerated: dict[int, Any] = field(default_factory=dict)
+    #: feeds that are an earlier feed's very tensor (a weight two modules hold, such as
+    #: GPT-2's embedding and output projection): feed index -> the first such feed's index
+    tied: dict[int, int] = field(default_factory=dict)
 
     @property
     def slots(self) -> list[int]:
@@ -314,6 +317,7 @@ def capture(
         hidden_mutations=hidden,
         bases=bases,
         regenerated=regenerated,
+        tied=_tied(module, feeds),
     )
     with _lazy_code():
         apply_passes(
@@ -323,6 +327,26 @@ def capture(
     if captured.backward is not None:
         captured.backward.meta[stages.HANDED] = _handed(captured)
     return captured
+
+
+def _tied(module: torch.nn.Module, feeds: list[Feed]) -> dict[int, int]:
+    """Feeds that are an earlier feed's tensor, by index (`Captured.tied`). aot lists a
+    weight held by two modules once per module, so the graph has an input and a gradient
+    for each; the module's state holds it once, and every call checks that it still does
+    (`ModuleState`): a weight untied later is a new graph."""
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    first: dict[int, int] = {}
+    tied = {}
+    for k, feed in enumerate(feeds):
+        tensor = tensors.get(str(feed.where)) if feed.kind != "input" else None
+        if tensor is None:
+            continue
+        if id(tensor) in first:
+            tied[k] = first[id(tensor)]
+        else:
+            first[id(tensor)] = k
+    return tied
 
 
 def _handed(captured: Captured) -> frozenset[str]:

@@ -97,6 +97,11 @@ def _save_bases_of_views(g: PartitionedGraphs) -> None:
     )
 
 
+def _tied_gradients_summed(g: PartitionedGraphs) -> None:
+    if g.captured.backward is not None:
+        fx_passes.tied_gradients_summed(g.captured.backward, g.captured.tied)
+
+
 def _has_backward(g: PartitionedGraphs) -> bool:
     return g.captured.backward is not None
 
@@ -124,6 +129,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     Pass("pads_summed_into_cat", _each(fx_passes.pads_summed_into_cat)),
     Pass("reshape_chains_as_one", _each(fx_passes.reshape_chains_as_one)),
     Pass("transposes_composed", _each(fx_passes.transposes_composed)),
+    Pass("tied_gradients_summed", _tied_gradients_summed, lambda g: bool(g.captured.tied)),
     Pass("scatters_added_into_the_sum", _each(fx_passes.scatters_added_into_the_sum)),
     Pass("int64_indices", _each(fx_passes.int64_indices)),
     Pass("expand_numel", _each(symbolic.expand_numel), lambda g: g.symbolic),

@@ -168,41 +168,51 @@ print(before - rss())
     assert int(done.stdout.split()[-1]) > 80  # of the 96 MiB freed in the heap's middle
 
 
-# Blocks of 48 MiB, above the largest mmap threshold glibc accepts: three steps allocate,
-# write and free two (inside `WHOLE_HEAP` or not), then the page faults of the third step, and
-# how much of a 48 MiB block allocated and freed after it stays resident.
-_LARGE = """
-import ctypes, resource, sys
+# Blocks of 48 MiB, above the largest mmap threshold glibc accepts: three steps (`_STEP`,
+# defined by each script) allocate, write and free two, then the page faults of the third
+# step, and how much of a 48 MiB block allocated and freed after it, outside any step, stays
+# resident (mapped apart, as glibc always does, it goes back to the system when freed).
+_TWO_BLOCKS = """
+import ctypes, resource, sys, torch
 from ort_autopatch.engine import heap
-assert heap.keep_freed_memory()
-scope = heap.run_scope() if sys.argv[1] == "scoped" else heap.NO_SCOPE
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
-def step():
-    with scope:
-        blocks = [libc.malloc(48 << 20) for _ in range(2)]
-        for block in blocks:
-            ctypes.memset(block, 1, 48 << 20)
+def two_blocks():
+    blocks = [libc.malloc(48 << 20) for _ in range(2)]
     for block in blocks:
-        libc.free(block)
-step(); step()
+        ctypes.memset(block, 1, 48 << 20)
+    return blocks
+"""
+_THIRD_STEP = """
+_STEP(); _STEP()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
+_STEP()
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 start = rss()
-block = libc.malloc(48 << 20)  # outside the scope: mapped apart, as glibc always does
-ctypes.memset(block, 1, 48 << 20)
-libc.free(block)
+libc.free(two_blocks()[0])
 print(faults, rss() - start)
+"""
+# a graph's runs: the blocks allocated inside `WHOLE_HEAP` (or not), freed after it
+_LARGE = """
+assert heap.keep_freed_memory()
+scope = heap.run_scope() if sys.argv[1] == "scoped" else heap.NO_SCOPE
+def _STEP():
+    with scope:
+        blocks = two_blocks()
+    for block in blocks:
+        libc.free(block)
 """
 
 
-def _large_blocks(mode: str) -> tuple[int, int]:
+def _faults_and_kept(script: str, mode: str) -> tuple[int, int]:
     done = subprocess.run(
-        [sys.executable, "-c", _LARGE, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _TWO_BLOCKS + script + _THIRD_STEP, mode],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     faults, kept = done.stdout.split()[-2:]
     return int(faults), int(kept)
@@ -210,10 +220,10 @@ def _large_blocks(mode: str) -> tuple[int, int]:
 
 @glibc
 def test_a_static_graphs_runs_find_their_large_blocks_in_the_heap_and_only_they() -> None:
-    faults, kept = _large_blocks("scoped")
+    faults, kept = _faults_and_kept(_LARGE, "scoped")
     assert faults < 500  # 96 MiB found in the heap, not mapped afresh
     assert kept < 8  # after the runs, a large block goes back to the system when freed
-    faults, _ = _large_blocks("plain")
+    faults, _ = _faults_and_kept(_LARGE, "plain")
     assert faults > 20000  # 24,576 pages mapped afresh every step
 
 
@@ -226,51 +236,23 @@ def test_the_scope_is_a_no_op_where_the_thresholds_are_not_ours(
 
 
 # An optimizer whose step allocates, writes and frees two 48 MiB blocks (the temporaries of
-# a large parameter's update, as glibc's malloc gives them to torch): the page faults of its
-# third step, with the heap's thresholds set by the tool or not, and how much of a 48 MiB
-# block allocated and freed after the steps, outside any step, stays resident.
+# a large parameter's update, as glibc's malloc gives them to torch), with the heap's
+# thresholds set by the tool or not.
 _OPTIMIZER = """
-import ctypes, resource, sys, torch
-from ort_autopatch.engine import heap
 if sys.argv[1] == "keep":
     assert heap.keep_freed_memory()
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
 class Temporaries(torch.optim.Optimizer):
     def step(self, closure=None):
-        blocks = [libc.malloc(48 << 20) for _ in range(2)]
-        for block in blocks:
-            ctypes.memset(block, 1, 48 << 20)
-        for block in blocks:
+        for block in two_blocks():
             libc.free(block)
-optimizer = Temporaries([torch.nn.Parameter(torch.zeros(4))], {})
-optimizer.step(); optimizer.step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-optimizer.step()
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-start = rss()
-block = libc.malloc(48 << 20)
-ctypes.memset(block, 1, 48 << 20)
-libc.free(block)
-print(faults, rss() - start)
+_STEP = Temporaries([torch.nn.Parameter(torch.zeros(4))], {}).step
 """
-
-
-def _optimizer_step(mode: str) -> tuple[int, int]:
-    done = subprocess.run(
-        [sys.executable, "-c", _OPTIMIZER, mode], capture_output=True, text=True, check=True
-    )
-    faults, kept = done.stdout.split()[-2:]
-    return int(faults), int(kept)
 
 
 @glibc
 def test_an_optimizer_steps_large_temporaries_stay_in_the_heap_for_its_next_step() -> None:
-    faults, kept = _optimizer_step("keep")
+    faults, kept = _faults_and_kept(_OPTIMIZER, "keep")
     assert faults < 500  # 96 MiB found in the heap, not mapped afresh
     assert kept < 8  # outside an optimizer step a large block is mapped apart, as ever
-    faults, _ = _optimizer_step("plain")
+    faults, _ = _faults_and_kept(_OPTIMIZER, "plain")
     assert faults > 20000  # 24,576 pages mapped afresh every step

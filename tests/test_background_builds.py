@@ -72,9 +72,10 @@ SCRIPT = textwrap.dedent(
     two = bool(os.environ.get("TWO"))
     if os.environ.get("BUSY_THREAD"):
         stop = []
-        def spin():
+        def spin():  # working, not at rest in `threading`, but leaving the GIL to the build
             while not stop:
                 sum(range(1000))
+                time.sleep(0.001)
         threading.Thread(target=spin, daemon=True).start()
 
     def ort_calls(name):

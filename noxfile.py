@@ -7,11 +7,12 @@
 - `tests_fast`: the quick loop for every change, the tests marked `fast` (under 3 minutes).
 - `tests_transformers5`: the transformers-dependent tests against transformers 5.x.
 - `tests_plain`: the whole suite on the plain backend and the latest (inference-only)
-  onnxruntime, every zoo entry included.
+  onnxruntime.
 - `tests_torch214`: what can differ between torch releases (export, parity, torchvision's
-  models) on torch 2.14.1 with torchvision 0.29.1; `tests_plain_torch214` the same on plain.
-- `tests_torch215`: what can differ on torch 2.15.0 (export, parity, the zoo) on the plain
-  backend (a download of about 3 GB; `tests` runs it).
+  models) on torch 2.14.1 with torchvision 0.29.1; `tests_plain_torch214` torchvision's models
+  and the symbolics on plain.
+- `tests_torch215`: what can differ on torch 2.15.0 (export, parity, every zoo entry) on the
+  plain backend (a download of about 3 GB; `tests` runs it).
 - `lint`: ruff, ruff format, mypy and the README's generated tables (options, benchmarks).
 - `bench`: every benchmark; results in benchmarks/results/*.json. It then runs `bench_plain`.
 - `bench_plain`: the engine benchmark on the plain backend (latest onnxruntime), plain.json;
@@ -184,18 +185,18 @@ def tests_transformers5(session: nox.Session) -> None:
 # The whole suite again on the plain backend (inference-only onnxruntime, graphs from torch's
 # autograd), in an environment with the maintained onnxruntime and no training build: the two
 # packages cannot share one. Tests that only make sense on one backend skip with the reason.
-# Every zoo entry runs here (ZOO_MODELS=all), not only the fast ones `nox -s tests` runs: the
-# plain backend is the younger, and the whole zoo costs about 80 s more than the fast entries
-# (121 s against 42 s on 2 cores at load 3; 5 to 7 minutes when the cores are busy).
+# The zoo's fast entries run here, as in `nox -s tests`; every entry runs on the plain backend
+# in `tests_torch215`, the torch users who install today get. Once on each torch was 4 minutes
+# of CI's 47 (245 s for the whole zoo against about 70 s for the fast entries, 2 cores).
 
 
 @_ci_session(PLAIN_PYTHON)
 def tests_plain(session: nox.Session) -> None:
     """The whole suite on the plain backend and the latest onnxruntime (`nox -s tests` runs
-    it), with every zoo entry."""
+    it)."""
     _install_plain(session, *TEST_DEPS)
     args = ("-q", "-p", "no:cacheprovider", "--durations=15")
-    session.run("pytest", *args, *session.posargs, env={"ZOO_MODELS": "all"})
+    session.run("pytest", *args, *session.posargs)
 
 
 # What can differ between torch releases: the export (the TorchScript exporter's internals,
@@ -207,6 +208,9 @@ TORCH_VERSION_TESTS = (
     "tests/test_symbolics.py",
     "tests/test_torchvision_models.py",
 )
+#: On the plain backend the parity tests run on torch 2.13 (`tests_plain`) and 2.15
+#: (`tests_torch215`); on 2.14 only what no other plain session can import, and the symbolics.
+PLAIN_TORCH_214_TESTS = ("tests/test_symbolics.py", "tests/test_torchvision_models.py")
 
 
 @_ci_session(TRAINING_PYTHON)
@@ -219,10 +223,10 @@ def tests_torch214(session: nox.Session) -> None:
 
 @_ci_session(PLAIN_PYTHON)
 def tests_plain_torch214(session: nox.Session) -> None:
-    """The same tests on the plain backend (`nox -s tests` runs it): torchvision's models among
-    them, which no other plain session can import."""
+    """torchvision's models, which no other plain session can import, and the symbolics, on
+    the plain backend (`nox -s tests` runs it)."""
     _install_plain(session, "pytest", "pytest-timeout", TRANSFORMERS, "numpy", torch=TORCH_214)
-    args = ("-q", "-p", "no:cacheprovider", "--durations=12", *TORCH_VERSION_TESTS)
+    args = ("-q", "-p", "no:cacheprovider", "--durations=12", *PLAIN_TORCH_214_TESTS)
     session.run("pytest", *args, *session.posargs)
 
 

@@ -1,7 +1,7 @@
 """Real models train through ONNX Runtime with eager's numbers, or fall back for a named reason.
 
 By default only the fast entries run (part of `nox -s tests`); `ZOO_MODELS=all` runs the whole
-table (`nox -s zoo`, and `nox -s tests_plain` on the plain backend), `ZOO_TIMING_STEPS=n`
+table (`nox -s zoo`, and `nox -s tests_torch215` on the plain backend), `ZOO_TIMING_STEPS=n`
 also times n interleaved steps of each side.
 """
 

@@ -34,6 +34,7 @@ CONVOLUTIONS = [
     (2, 6, 3, 3, 2, 2, 2, 3, False, 0),  # groups, stride, padding and dilation at once
     (3, 4, 4, (2, 3, 1), (1, 2, 1), (1, 0, 1), (2, 1, 1), 2, False, 0),
     (2, 3, 4, 1, 1, 0, 1, 1, False, 0),  # one kernel position
+    (2, 20, 6, 1, 2, 0, 1, 1, False, 0),  # 1x1 strided: the last window ends at the last row
 ]
 
 

@@ -245,6 +245,9 @@ CASES: list[Case] = [
     Case("conv2d-unbatched", lambda: nn.Conv2d(3, 4, 3), rand(3, -6, 5)),
     Case("conv2d-depthwise", lambda: nn.Conv2d(4, 4, 3, groups=4, padding=1), rand(2, 4, -5, 5)),
     Case("conv3d", lambda: nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 1)), rand(2, 2, -4, 5, 4)),
+    # strided over odd sizes, a 1x1 window's last position is the input's last (a
+    # downsampling block's shortcut at an odd feature map)
+    Case("conv2d-pointwise-strided", lambda: nn.Conv2d(20, 6, 1, stride=2), rand(2, 20, -5, 7)),
     Case(
         "conv_transpose1d",
         lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, output_padding=1),

@@ -155,7 +155,8 @@ def _weight_gradient(
                 end = start + (outer[d] - 1) * stride[d] + 1
                 whole = sliced[offsets[:d]]
                 size = whole.shape[1 + d]
-                if start == 0 and type(end) is int and type(size) is int and end == size:
+                whole_dim = start == 0 and stride[d] == 1 and type(end) is int and type(size) is int
+                if whole_dim and end == size:
                     sliced[offsets[: d + 1]] = whole  # the window spans the whole dimension
                 else:
                     sliced[offsets[: d + 1]] = aten.slice(whole, 1 + d, start, end, stride[d])

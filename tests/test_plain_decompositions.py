@@ -34,7 +34,12 @@ CONVOLUTIONS = [
     (2, 6, 3, 3, 2, 2, 2, 3, False, 0),  # groups, stride, padding and dilation at once
     (3, 4, 4, (2, 3, 1), (1, 2, 1), (1, 0, 1), (2, 1, 1), 2, False, 0),
     (2, 3, 4, 1, 1, 0, 1, 1, False, 0),  # one kernel position
+    (2, 20, 6, 1, 1, 0, 1, 1, False, 0),  # pointwise: the input is the patch
+    (1, 20, 4, 1, 1, 0, 1, 1, False, 0),  # pointwise, more channels than positions
+    (3, 18, 4, 1, 1, 0, 1, 1, False, 0),
     (2, 20, 6, 1, 2, 0, 1, 1, False, 0),  # 1x1 strided: the last window ends at the last row
+    (2, 20, 6, 1, 1, 1, 1, 1, False, 0),  # 1x1 over padding: sliced
+    (2, 20, 6, 1, 1, 0, 1, 1, True, 0),  # transposed pointwise
 ]
 
 
@@ -100,6 +105,29 @@ def test_a_weight_gradients_contraction_per_image_or_at_once_is_the_same(n: int)
     cols = torch.randn(3, n, 20, dtype=torch.float64)
     expected = torch.einsum("bmp,bnp->mn", rows, cols)
     torch.testing.assert_close(windows._contracted(rows, cols), expected)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_a_pointwise_convolutions_weight_gradient_reads_its_input_as_it_lies(dims: int) -> None:
+    """A 1x1 convolution's one patch is its input: the product takes it channels first,
+    with no permuted copy of the input (channels last, it copied every 1x1 layer's input
+    whole) and no permuted gradient."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    sides = {1: [40], 2: [6, 6], 3: [4, 4, 4]}[dims]  # positions no fewer than the channels
+    x = torch.randn(2, 32, *sides, dtype=torch.float64)
+    w = torch.randn(16, 32, *[1] * dims, dtype=torch.float64)
+    g = torch.randn(2, 16, *sides, dtype=torch.float64)
+    args = ([1] * dims, [0] * dims, [1] * dims, False, [0] * dims, 1, [False, True, False])
+
+    def weight_gradient(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return windows.convolution_backward(g, x, w, None, *args)[1]
+
+    graph = make_fx(weight_gradient)(g, x, w).graph
+    targets = {node.target for node in graph.nodes if node.op == "call_function"}
+    assert not targets & {aten.permute.default, aten.clone.default}, graph
+    expected = aten.convolution_backward(g, x, w, [16], *args)[1]
+    torch.testing.assert_close(weight_gradient(g, x, w), expected)
 
 
 def test_convolution_backward_computes_only_the_masked_gradients() -> None:

@@ -248,6 +248,8 @@ CASES: list[Case] = [
     # strided over odd sizes, a 1x1 window's last position is the input's last (a
     # downsampling block's shortcut at an odd feature map)
     Case("conv2d-pointwise-strided", lambda: nn.Conv2d(20, 6, 1, stride=2), rand(2, 20, -5, 7)),
+    # 1x1 at unit stride: the input is the weight gradient's patch, channels first
+    Case("conv2d-pointwise", lambda: nn.Conv2d(20, 6, 1), rand(-2, 20, -5, 6)),
     Case(
         "conv_transpose1d",
         lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, output_padding=1),

@@ -131,6 +131,15 @@ def _weight_gradient(
     out_channels = target.shape[1]
     outer = list(target.shape[2:])
     narrow = type(channels) is int and channels < _NARROW_CHANNELS
+    if groups == 1 and _pointwise(kernel, stride, padding):
+        # the one patch is the source itself, channels first, which the product takes
+        # transposed for free: taken channels last, every 1x1 layer's input was copied whole
+        # (a Transpose of (2, 256, 56, 56) took 2.9 ms in ResNet-50's step) and its gradient
+        # permuted at the end; 0.85 of the time on ResNet-50's 1x1 layers alone
+        positions = math.prod(outer)
+        cols = source.reshape(batch, channels, positions)
+        grad = _contracted(target.reshape(batch, out_channels, positions), cols)
+        return grad.reshape(out_channels, channels, *kernel)
     if groups == 1:
         convolved = _patches_by_convolution(source, outer, kernel, stride, padding, dilation)
         if convolved is not None:
@@ -187,6 +196,11 @@ def _weight_gradient(
     grad = aten.bmm(rows, cols)  # (groups, out / groups, kernel positions * in / groups)
     grad = grad.reshape(out_channels, *kernel, per_group)
     return grad.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
+
+
+def _pointwise(kernel: list[int], stride: list[int], padding: list[int]) -> bool:
+    """A 1x1 convolution reading every position: its patch is its input."""
+    return all(k == 1 for k in kernel) and all(s == 1 for s in stride) and not any(padding)
 
 
 def _pads(padding: list[int]) -> list[int]:

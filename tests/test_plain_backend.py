@@ -400,6 +400,23 @@ def test_a_weight_two_modules_hold_gets_one_gradient_summed_in_the_graph(bias: b
     _train_like_eager(model, lambda: (ids,), steps=2)
 
 
+def test_tied_gradients_are_left_to_autograd_whole_where_outputs_are_not_one_per_feed() -> None:
+    """A graph whose outputs do not line up with its feeds keeps every gradient as it was:
+    no tie summed, and no sum made for one tie and left unused when a later one is out of
+    range."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import fx_passes
+
+    a, b = torch.randn(3), torch.randn(3)
+    gm = make_fx(lambda a, b: (a.sin(), b.cos()))(a, b)
+    before = [n.target for n in gm.graph.nodes]
+    fx_passes.tied_gradients_summed(gm, {1: 0, 2: 0})
+    assert [n.target for n in gm.graph.nodes] == before
+    fx_passes.tied_gradients_summed(gm, {1: 0})  # in range: summed under the first
+    assert torch.equal(gm(a, b)[0], a.sin() + b.cos()) and gm(a, b)[1] is None
+
+
 _aten = torch.ops.aten
 
 

@@ -566,10 +566,10 @@ def tied_gradients_summed(backward: torch.fx.GraphModule, tied: dict[int, int]) 
     Backward's outputs are one per feed, in order (`linking.link`)."""
     output = next(n for n in backward.graph.nodes if n.op == "output")
     grads = list(output.args[0])
+    if any(again >= len(grads) for again in tied):  # not one output per feed: left to autograd
+        return  # (before any sum is made: one made, then abandoned, would stay in the graph)
     changed = False
     for again, first in sorted(tied.items()):
-        if again >= len(grads):  # not one output per feed: left to autograd
-            return
         grad, kept = grads[again], grads[first]
         if not isinstance(grad, torch.fx.Node):
             continue

@@ -123,3 +123,57 @@ def test_a_transpose_that_moves_nothing_is_dropped() -> None:
     onnx_passes.identity_transposes_dropped(graph)
     assert [n.op_type for n in graph] == ["Transpose"]
     assert _run(graph)["y"].tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+
+
+#: (data's shape, index depth, index tuples, negative indices): an embedding's rows (few
+#: rows, every update onto them: a token type embedding), a vocabulary's, two indexed dims
+#: (`x[i, j] += v`) with negative indices, and scalars into a vector
+_SCATTERS = {
+    "few rows": ((2, 768), 1, 4096, False),
+    "vocabulary": ((30522, 64), 1, 4096, True),
+    "two dims": ((5, 6, 7), 2, 3000, True),
+    "elements": ((9,), 1, 5000, False),
+}
+
+
+@pytest.mark.parametrize("case", list(_SCATTERS))
+def test_a_scatter_that_adds_is_made_one_that_adds_every_update(case: str) -> None:
+    """ORT's ScatterND with `reduction="add"` adds updates of one row from two threads
+    without synchronisation and loses some (14 % to 38 % off from two threads at these
+    sizes). Made ScatterElements over the data's rows, every update is added, at two
+    threads, whatever the index depth and sign; an output keeps its name."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    shape, depth, count, negative = _SCATTERS[case]
+    rng = np.random.default_rng(0)
+    low = [-s if negative else 0 for s in shape[:depth]]
+    sides = zip(low, shape[:depth], strict=True)
+    index = np.stack([rng.integers(lo, side, count) for lo, side in sides], -1)
+    updates = rng.standard_normal((count, *shape[depth:])).astype(np.float32)
+    data = rng.standard_normal(shape).astype(np.float32)
+    expected = data.astype(np.float64)
+    np.add.at(expected, tuple(index.T), updates)
+
+    values = {
+        "data": ir.Value(name="data", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(shape)),
+        "index": ir.Value(name="index", type=ir.TensorType(ir.DataType.INT64)),
+        "updates": ir.Value(name="updates", type=ir.TensorType(ir.DataType.FLOAT)),
+    }
+    scatter = ir.node("ScatterND", list(values.values()), {"reduction": "add"})
+    scatter.outputs[0].name = "y"
+    graph = ir.Graph(
+        list(values.values()), scatter.outputs, nodes=[scatter], opset_imports={"": 18}
+    )
+    onnx_passes.accumulating_scatters_by_element(graph)
+    assert "ScatterND" not in [n.op_type for n in graph]
+    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
+    feeds = {"data": data, "index": index.astype(np.int64), "updates": updates}
+    for _ in range(10):  # a lost update shows in some runs (two threads at work), not all
+        (got,) = session.run(["y"], feeds)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)

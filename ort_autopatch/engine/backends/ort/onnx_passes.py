@@ -136,28 +136,20 @@ def accumulating_scatters_by_element(graph: Any) -> None:
     ScatterElements adds exactly at every size and thread count, at the price of its indices
     spelled out per element (rows x row size int64s) and a slower scatter (44 ms against 10
     for 4096 ids into 30522 x 768). The indexed leading dims are flattened into one row index
-    (`_row_index`), the rest into the row."""
+    (`_row_index`), the rest into the row. (onnxruntime-training 1.19.2's ScatterND races
+    alike, but the training build's graphs have no adding ScatterND: its embedding gradients
+    are ORT's GatherGrad, and the TorchScript exporter writes `index_put` without a
+    reduction.)"""
     import numpy as np
     import onnx_ir as ir
 
     def add(before: Any, op: str, inputs: list[Any], **attributes: Any) -> Any:
-        attrs = [
-            ir.AttrString(k, v)
-            if isinstance(v, str)
-            else ir.AttrInt64s(k, v)
-            if isinstance(v, list)
-            else ir.AttrInt64(k, v)
-            for k, v in attributes.items()
-        ]
-        node = ir.Node("", op, inputs, attributes=attrs)
+        node = ir.node(op, inputs, attributes)  # attributes typed from their Python values
         graph.insert_before(before, node)
         return node.outputs[0]
 
     def constant(before: Any, values: list[int]) -> Any:
-        tensor = ir.tensor(np.array(values, dtype=np.int64))
-        node = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)])
-        graph.insert_before(before, node)
-        return node.outputs[0]
+        return add(before, "Constant", [], value=ir.tensor(np.array(values, dtype=np.int64)))
 
     for node in list(graph):
         if node.op_type != "ScatterND" or node.domain not in _ONNX:

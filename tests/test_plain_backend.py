@@ -1526,7 +1526,8 @@ def test_embedding_gradients_of_repeated_ids_are_eagers_from_two_threads() -> No
     accumulation). ORT's ScatterND lost updates of one row added from two threads at once:
     BERT-base at batch 8 had its token type embedding's gradient 3 to 14 % off, refused by
     the first-call check on one call and passing it on another. Through the engine at two
-    threads, every call's gradients are eager's."""
+    threads, every call's gradients are eager's, in the graph traced for the first batch
+    size and in the one with symbolic sizes the others take."""
     from ort_autopatch.engine import ModuleEngine
     from ort_autopatch.engine.recipe import EngineOptions
 
@@ -1534,10 +1535,10 @@ def test_embedding_gradients_of_repeated_ids_are_eagers_from_two_threads() -> No
     model = _Embeddings()
     eager = copy.deepcopy(model)
     engine = ModuleEngine(model, EngineOptions(backend="ort", threads=2))
-    types = torch.zeros(32, 128, dtype=torch.long)
-    positions = torch.arange(128).expand(32, 128)
-    for call in range(8):
-        cotangent = torch.randn(32, 128, 256, generator=torch.Generator().manual_seed(call))
+    for call, batch in enumerate((32, 32, 16, 24, 32, 16, 24, 32)):
+        types = torch.zeros(batch, 128, dtype=torch.long)
+        positions = torch.arange(128).expand(batch, 128)
+        cotangent = torch.randn(batch, 128, 256, generator=torch.Generator().manual_seed(call))
         out = engine(types, positions)
         assert ran_in_plain_ort(out), f"call {call} ran elsewhere"
         model.zero_grad()
@@ -1546,3 +1547,4 @@ def test_embedding_gradients_of_repeated_ids_are_eagers_from_two_threads() -> No
         eager(types, positions).backward(cotangent)
         for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=f"{call}: {name}")
+    assert [r.dynamic for r in engine.records][:2] == [False, True]  # both graphs ran

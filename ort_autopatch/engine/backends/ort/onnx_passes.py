@@ -32,8 +32,12 @@ def cleaned(graph: Any) -> None:
 def _bypass(graph: Any, node: Any, source: Any) -> bool:
     """Remove `node`, whose one output is `source`'s value unchanged, its uses reading
     `source`; a graph output keeps its name, given to `source` where that is computed in the
-    graph and is no other output (else the node stays). Whether it was removed."""
+    graph and is no other output (else the node stays). Whether it was removed. The shape the
+    translator gave the output (from the FX node) passes to `source`, which inside a
+    torchlib function has none: the rewrites after read ranks off it."""
     out = node.outputs[0]
+    if source.shape is None and out.shape is not None:
+        source.shape = out.shape
     if not out.is_graph_output():
         out.replace_all_uses_with(source)
         graph.remove(node, safe=True)
@@ -135,8 +139,10 @@ def accumulating_scatters_by_element(graph: Any) -> None:
     updates on a later call.
     ScatterElements adds exactly at every size and thread count, at the price of its indices
     spelled out per element (rows x row size int64s) and a slower scatter (44 ms against 10
-    for 4096 ids into 30522 x 768). The indexed leading dims are flattened into one row index
-    (`_row_index`), the rest into the row. (onnxruntime-training 1.19.2's ScatterND races
+    for 4096 ids into 30522 x 768). One indexed dim of data of known rank (an embedding's)
+    scatters into the data as it is (`_rows_scattered`); other depths have the indexed
+    leading dims flattened into one row index, the rest into the row, and the result
+    reshaped back (`_flattened_and_scattered`). (onnxruntime-training 1.19.2's ScatterND races
     alike, but the training build's graphs have no adding ScatterND: its embedding gradients
     are ORT's GatherGrad, and the TorchScript exporter writes `index_put` without a
     reduction.)"""
@@ -159,26 +165,106 @@ def accumulating_scatters_by_element(graph: Any) -> None:
         data, indices, updates = node.inputs
         if data is None or indices is None or updates is None:
             continue
-        sizes = add(node, "Shape", [data])
-        lead = add(
-            node, "Slice", [sizes, constant(node, [0]), add(node, "Shape", [indices], start=-1)]
-        )
-        rows = _row_index(add, constant, node, indices, lead)
-        count = add(node, "ReduceProd", [lead], keepdims=1)
-        minus_one = constant(node, [-1])
-        table = add(node, "Reshape", [data, add(node, "Concat", [count, minus_one], axis=0)])
-        width = add(node, "Concat", [add(node, "Shape", [rows]), minus_one], axis=0)
-        values = add(node, "Reshape", [updates, width])
-        unsqueezed = add(node, "Unsqueeze", [rows, constant(node, [1])])
-        index = add(node, "Expand", [unsqueezed, add(node, "Shape", [values])])
-        summed = add(node, "ScatterElements", [table, index, values], axis=0, reduction="add")
-        result = add(node, "Reshape", [summed, sizes])
         out = node.outputs[0]
+        rank = _rank(data, out)
+        if rank is not None and rank >= 1 and _depth(indices) == 1:
+            result = _rows_scattered(add, constant, node, data, indices, updates, rank)
+        else:
+            result = _flattened_and_scattered(add, constant, node, data, indices, updates)
         name, was_output = out.name, out.is_graph_output()
+        if result.shape is None:
+            result.shape = out.shape
         out.replace_all_uses_with(result, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         if was_output:
             result.name = name  # the program reads outputs by name
+
+
+def _rank(data: Any, out: Any) -> int | None:
+    """The rank of a scatter's data (its result's), where the translation gave either a
+    shape."""
+    for value in (data, out):
+        if value.shape is not None:
+            return len(value.shape)
+    return None
+
+
+def _ints(value: Any) -> list[int] | None:
+    """A value's integers where a Constant node (or a constant tensor) gives them, or None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return [int(v) for v in value.const_value.numpy().reshape(-1)]
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or producer.domain not in _ONNX:
+        return None
+    listed = producer.attributes.get_ints("value_ints")
+    if listed is not None:
+        return [int(v) for v in listed]
+    tensor = producer.attributes.get("value")
+    return None if tensor is None else [int(v) for v in tensor.as_tensor().numpy().reshape(-1)]
+
+
+def _depth(indices: Any) -> int | None:
+    """How many leading dims a ScatterND's index tuples address: the last dim of `indices`
+    where its shape says, else torchlib's spelling of `index_put`'s tuples (one index tensor
+    per indexed dim, each unsqueezed at -1, concatenated on the last axis)."""
+    if indices.shape is not None and len(indices.shape) and isinstance(indices.shape[-1], int):
+        return int(indices.shape[-1])
+    concat = indices.producer()
+    if concat is None or concat.op_type != "Concat" or concat.attributes.get_int("axis") != -1:
+        return None
+    for part in concat.inputs:
+        unsqueeze = None if part is None else part.producer()
+        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.inputs) != 2:
+            return None
+        if _ints(unsqueeze.inputs[1]) != [-1]:
+            return None
+    return len(concat.inputs)
+
+
+def _rows_scattered(
+    add: Any, constant: Any, before: Any, data: Any, indices: Any, updates: Any, rank: int
+) -> Any:
+    """One indexed dim (an embedding's gradient): ScatterElements on the data as it is, one
+    row per index (negative ones wrapped), no reshape of the data or the result. A Reshape
+    into a graph output is a copy in ONNX Runtime, and GPT-2 small's tied 50257 x 768
+    gradient took 94 ms a step in it."""
+    rows_count = add(before, "Shape", [data], end=1)
+    flat = add(before, "Reshape", [indices, constant(before, [-1])])
+    rows = add(before, "Mod", [add(before, "Add", [flat, rows_count]), rows_count])
+    rest = add(before, "Shape", [data], start=1)
+    values = add(
+        before,
+        "Reshape",
+        [updates, add(before, "Concat", [add(before, "Shape", [rows]), rest], axis=0)],
+    )
+    if rank > 1:
+        rows = add(before, "Unsqueeze", [rows, constant(before, list(range(1, rank)))])
+    index = add(before, "Expand", [rows, add(before, "Shape", [values])])
+    return add(before, "ScatterElements", [data, index, values], axis=0, reduction="add")
+
+
+def _flattened_and_scattered(
+    add: Any, constant: Any, before: Any, data: Any, indices: Any, updates: Any
+) -> Any:
+    """Several indexed dims, or the depth or the data's rank unknown: the indexed leading
+    dims flattened into one row index (`_row_index`), the rest into the row, scattered, and
+    reshaped back (a copy where the result is a graph output)."""
+    sizes = add(before, "Shape", [data])
+    lead = add(
+        before, "Slice", [sizes, constant(before, [0]), add(before, "Shape", [indices], start=-1)]
+    )
+    rows = _row_index(add, constant, before, indices, lead)
+    count = add(before, "ReduceProd", [lead], keepdims=1)
+    minus_one = constant(before, [-1])
+    table = add(before, "Reshape", [data, add(before, "Concat", [count, minus_one], axis=0)])
+    width = add(before, "Concat", [add(before, "Shape", [rows]), minus_one], axis=0)
+    values = add(before, "Reshape", [updates, width])
+    unsqueezed = add(before, "Unsqueeze", [rows, constant(before, [1])])
+    index = add(before, "Expand", [unsqueezed, add(before, "Shape", [values])])
+    summed = add(before, "ScatterElements", [table, index, values], axis=0, reduction="add")
+    return add(before, "Reshape", [summed, sizes])
 
 
 def _row_index(add: Any, constant: Any, before: Any, indices: Any, lead: Any) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.plain_helpers import PLAIN_READY, SKIP_REASON
 
@@ -193,3 +194,112 @@ def test_a_scatter_that_adds_is_made_one_that_adds_every_update(
     for _ in range(10):  # a lost update shows in some runs (two threads at work), not all
         (got,) = session.run(["y"], feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_reshape_into_an_output_is_left_to_torch_where_its_shape_is_static() -> None:
+    """ONNX Runtime copies a Reshape into a graph output (a convolution's weight gradient
+    made as a matrix, a language model's logits). The output is returned as the value the
+    Reshape read, under the output's name, and its shape is named for torch to restore;
+    a Reshape of an input, of a constant, or to a symbolic shape stays."""
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    def build(x: Any, ir: Any) -> Any:
+        doubled, again = ir.node("Add", [x, x]), ir.node("Add", [x, x])
+        nodes, outputs = [doubled, again], []
+        sources = {
+            "y": doubled.outputs[0],  # computed: left to torch
+            "read": again.outputs[0],  # also read in the graph: left to torch, read reshaped
+            "of_input": x,
+            "symbolic": doubled.outputs[0],
+        }
+        for name, source in sources.items():
+            shape = ir.node(
+                "Constant", [], {"value": ir.tensor(np.array([3, 2, 1], dtype=np.int64))}
+            )
+            reshape = ir.node("Reshape", [source, shape.outputs[0]])
+            reshape.outputs[0].name = name
+            reshape.outputs[0].shape = ir.Shape(["n", 2, 1] if name == "symbolic" else [3, 2, 1])
+            reshape.outputs[0].dtype = ir.DataType.FLOAT
+            nodes += [shape, reshape]
+            outputs.append(reshape.outputs[0])
+        reader = ir.node("Shape", [outputs[1]])
+        reader.outputs[0].name = "read_shape"
+        return [*nodes, reader], [*outputs, reader.outputs[0]]
+
+    graph = _graph(build)
+    assert onnx_passes.reshapes_into_outputs_left_to_torch(graph) == {
+        "y": [3, 2, 1],
+        "read": [3, 2, 1],
+    }
+    y, read, of_input, symbolic, _ = graph.outputs
+    assert y.name == "y" and y.producer().op_type == "Add"
+    assert read.name == "read" and read.producer().op_type == "Add"
+    assert of_input.producer().op_type == "Reshape"
+    assert symbolic.producer().op_type == "Reshape"
+    got = _run(graph)
+    assert got["y"].shape == (2, 3)  # as the Add made it: torch views it as (3, 2, 1)
+    assert got["y"].reshape(3, 2, 1).tolist() == (2 * np.arange(6.0)).reshape(3, 2, 1).tolist()
+    assert got["read"].shape == (2, 3)
+    assert got["read_shape"].tolist() == [3, 2, 1]  # the graph's reader reads it reshaped
+    assert [n.op_type for n in graph].count("Constant") == 3  # the dropped Reshape's went
+
+
+@pytest.mark.parametrize("case", ["computed", "an input", "sum read in the graph"])
+def test_rows_added_into_an_output_are_left_to_torch_where_the_table_is_computed(
+    case: str,
+) -> None:
+    """ONNX Runtime scatters into a graph output only after copying the whole table (an
+    embedding's gradient: 2 ms in place, 57-164 ms as an output). Where the table is
+    computed in the graph, the output is that table, and the rows and values come out
+    beside it for torch to add (`index_add_`): added so, they give what the scatter gave.
+    Into an input, or where the graph reads the sum too, the scatter stays."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from ort_autopatch.engine.backends.ort import onnx_passes
+
+    shape, count = (50, 8), 400
+    rng = np.random.default_rng(0)
+    index = rng.integers(-50, 50, (count, 1)).astype(np.int64)
+    updates = rng.standard_normal((count, 8)).astype(np.float32)
+    table = rng.standard_normal(shape).astype(np.float32)
+    data_computed = case != "an input"
+    expected = 2 * table.astype(np.float64) if data_computed else table.astype(np.float64)
+    np.add.at(expected, index[:, 0], updates)
+
+    def value(name: str, dtype: Any, dims: Any) -> Any:
+        return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+    inputs = [
+        value("table", ir.DataType.FLOAT, shape),
+        value("index", ir.DataType.INT64, [count, 1]),
+        value("updates", ir.DataType.FLOAT, [count, 8]),
+    ]
+    nodes = []
+    data = inputs[0]
+    if data_computed:
+        doubled = ir.node("Add", [data, data])
+        nodes.append(doubled)
+        data = doubled.outputs[0]
+    scatter = ir.node("ScatterND", [data, inputs[1], inputs[2]], {"reduction": "add"})
+    scatter.outputs[0].name = "y"
+    scatter.outputs[0].shape = ir.Shape(shape)
+    outputs, nodes = [scatter.outputs[0]], [*nodes, scatter]
+    if case == "sum read in the graph":
+        nodes.append(ir.node("Neg", [scatter.outputs[0]]))
+        outputs.append(nodes[-1].outputs[0])
+    graph = ir.Graph(inputs, outputs, nodes=nodes, opset_imports={"": 18})
+    onnx_passes.accumulating_scatters_by_element(graph)
+    added = onnx_passes.accumulations_into_outputs_left_to_torch(graph)
+    ops = [n.op_type for n in graph]
+    if case != "computed":
+        assert added == {} and "ScatterElements" in ops
+        return
+    assert added == {"y": ["y.rows", "y.values"]}
+    assert "ScatterElements" not in ops and "Expand" not in ops  # nothing left unread
+    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
+    session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+    feeds = {"table": table, "index": index, "updates": updates}
+    y, rows, values = (torch.from_numpy(t) for t in session.run(["y", "y.rows", "y.values"], feeds))
+    y.index_add_(0, rows, values)
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-4)

@@ -250,3 +250,25 @@ def test_each_reused_signature_has_its_own_lists_and_default_attributes() -> Non
     (other,) = (p for p in two.params if p.name == "alpha")
     assert alpha.default is not None and alpha.default is not other.default
     assert alpha.default.value == other.default.value
+
+
+@pytest.mark.parametrize("finished_in_torch", [False, True])
+def test_a_rewrite_that_fails_is_an_export_error_the_fallback_takes(
+    monkeypatch: pytest.MonkeyPatch, finished_in_torch: bool
+) -> None:
+    """A rewrite of the translated graph (`onnx_passes`) that raises is the graph's failure,
+    named with its cause, which the fallback policy sends to PyTorch: never an exception of
+    another kind in the user's run."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_autopatch.engine.backends.ort import lowering, onnx_passes
+    from ort_autopatch.engine.errors import ExportError
+
+    def broken(graph: Any) -> Any:
+        raise ValueError("a node that does not belong to this graph")
+
+    name = "reshapes_into_outputs_left_to_torch" if finished_in_torch else "cleaned"
+    monkeypatch.setattr(onnx_passes, name, broken)
+    gm = make_fx(lambda x: torch.relu(x).reshape(3, 1) + 1, tracing_mode="fake")(torch.randn(3))
+    with pytest.raises(ExportError, match="rewriting the forward graph in ONNX failed: ValueError"):
+        lowering.to_onnx(gm, "Net", "forward", finished_in_torch=finished_in_torch)

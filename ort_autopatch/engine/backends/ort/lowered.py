@@ -13,6 +13,7 @@ the map from the graph's outputs to the ONNX ones that the `Captured`'s indices 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,13 +55,42 @@ class GraphFacts:
 
     inputs: list[str]  # the graph's input names, in order
     draws: bool  # a run reads ORT's generator (`rng.draws_per_run`)
+    #: output index -> the shape its value is viewed as (`lowering.VIEWED`)
+    viewed: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: output index -> the output indices of the rows and the values torch adds into it
+    #: (`lowering.ADDED`); those outputs come last, and the program never sees them
+    added: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: bytes) -> GraphFacts:
         import onnx
 
         proto = onnx.load_from_string(model)
-        return cls([value.name for value in proto.graph.input], rng.draws_per_run(proto))
+        meta = {p.key: json.loads(p.value) for p in proto.metadata_props}
+        outputs = {value.name: k for k, value in enumerate(proto.graph.output)}
+        viewed = {
+            outputs[name]: tuple(shape) for name, shape in meta.get(lowering.VIEWED, {}).items()
+        }
+        added = {
+            outputs[name]: (outputs[rows], outputs[values])
+            for name, (rows, values) in meta.get(lowering.ADDED, {}).items()
+        }
+        inputs = [value.name for value in proto.graph.input]
+        return cls(inputs, rng.draws_per_run(proto), viewed, added)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "inputs": self.inputs,
+            "draws": self.draws,
+            "viewed": [[k, list(shape)] for k, shape in self.viewed.items()],
+            "added": [[k, *parts] for k, parts in self.added.items()],
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> GraphFacts:
+        viewed = {int(k): tuple(int(d) for d in shape) for k, shape in meta.get("viewed", [])}
+        added = {int(k): (int(r), int(v)) for k, r, v in meta.get("added", [])}
+        return cls([str(n) for n in meta["inputs"]], bool(meta["draws"]), viewed, added)
 
 
 @dataclass
@@ -132,9 +162,7 @@ class Lowered:
             "regenerated": [[k, v.as_data()] for k, v in self.regenerated.items()],
             "viewed_feeds": self.viewed_feeds,
             "viewed_outputs": self.viewed_outputs,
-            "facts": {
-                role: {"inputs": f.inputs, "draws": f.draws} for role, f in self.facts.items()
-            },
+            "facts": {role: f.meta() for role, f in self.facts.items()},
             "staging": None if self.staging is None else self.staging.meta(),
         }
 
@@ -159,7 +187,7 @@ class Lowered:
             viewed_feeds=[int(k) for k in meta["viewed_feeds"]],
             viewed_outputs=[int(k) for k in meta["viewed_outputs"]],
             facts={
-                str(role): GraphFacts([str(n) for n in f["inputs"]], bool(f["draws"]))
+                str(role): GraphFacts.from_meta(f)
                 for role, f in meta["facts"].items()
                 if role in graphs
             },
@@ -232,7 +260,7 @@ def lower_graph(
         random = sorted({op for s in split.segments for op in s.random_operators})
         facts = GraphFacts(split.inputs, False)
         return LoweredGraph(role, b"", plan, facts, random if role == "forward" else [], split)
-    model = lowering.to_onnx(gm, cls, role, promoted)
+    model = lowering.to_onnx(gm, cls, role, promoted, finished_in_torch=True)
     random = verify.random_ops(onnx.load_from_string(model)) if role == "forward" else []
     staging = None
     if role == "backward":  # run in stages where that lowers its peak (`stages`)

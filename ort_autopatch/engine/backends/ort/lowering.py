@@ -380,11 +380,31 @@ def warm_signatures() -> None:
                 schemas.OpSignature.from_op_schema(schema)
 
 
-def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = False) -> bytes:
+#: the ONNX model's metadata: the outputs returned unreshaped, with the shape each is to be
+#: viewed as (JSON, by output name; `onnx_passes.reshapes_into_outputs_left_to_torch`)
+VIEWED = "ort_autopatch_viewed_outputs"
+#: ... and the outputs torch adds rows into, with their rows' and values' outputs
+#: (`onnx_passes.accumulations_into_outputs_left_to_torch`)
+ADDED = "ort_autopatch_added_rows"
+
+
+def to_onnx(
+    gm: torch.fx.GraphModule,
+    cls: str,
+    what: str,
+    promoted: bool = False,
+    finished_in_torch: bool = False,
+) -> bytes:
     """The ONNX bytes of one graph: its placeholders are the inputs, its outputs (no None,
     none twice) the outputs, all named after their FX nodes. `promoted` (or the graph's
     `PROMOTED` mark): `promote_types` has run (the graph's values need not be fake tensors
-    then: shapes and dtypes do)."""
+    then: shapes and dtypes do). `finished_in_torch`: an output ORT would copy is left for
+    torch to finish over its memory, as the model's metadata says: one made by a Reshape is
+    its source (`VIEWED`), one made by adding rows is the tensor before (`ADDED`). For a
+    graph whose every output the program reads: not a segment of a cut graph, whose torch
+    nodes read them as they are."""
+    import json
+
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
@@ -426,7 +446,21 @@ def to_onnx(gm: torch.fx.GraphModule, cls: str, what: str, promoted: bool = Fals
             f"translating the {what} graph to ONNX failed: {_operator_of(exc)}",
             "Run this class eagerly (the default fallback policy does) and report the model",
         ) from exc
-    onnx_passes.cleaned(model.graph)
+    try:  # a rewrite's failure is this graph's, not the user's run's
+        onnx_passes.cleaned(model.graph)
+        if finished_in_torch:
+            added = onnx_passes.accumulations_into_outputs_left_to_torch(model.graph)
+            if added:
+                model.metadata_props[ADDED] = json.dumps(added)
+            shapes = onnx_passes.reshapes_into_outputs_left_to_torch(model.graph)
+            if shapes:
+                model.metadata_props[VIEWED] = json.dumps(shapes)
+    except Exception as exc:
+        raise ExportError(
+            cls,
+            f"rewriting the {what} graph in ONNX failed: {type(exc).__name__}: {exc}"[:400],
+            "Run this class eagerly (the default fallback policy does) and report the model",
+        ) from exc
     _ir_passes.add_opset_imports(model)
     # a graph whose operators all folded away (casts to the type a value has) names no
     # opset, which ONNX Runtime refuses ("Missing opset in the model")

@@ -32,10 +32,13 @@ def cleaned(graph: Any) -> None:
 def _bypass(graph: Any, node: Any, source: Any) -> bool:
     """Remove `node`, whose one output is `source`'s value unchanged, its uses reading
     `source`; a graph output keeps its name, given to `source` where that is computed in the
-    graph and is no other output (else the node stays). Whether it was removed. The shape the
-    translator gave the output (from the FX node) passes to `source`, which inside a
-    torchlib function has none: the rewrites after read ranks off it."""
+    graph and is no other output (else the node stays). Whether it was removed. The type and
+    the shape the translator gave the output (from the FX node) pass to `source`, which
+    inside a torchlib function has none: the rewrites after read ranks off it, and a graph
+    output is declared with its type."""
     out = node.outputs[0]
+    if source.dtype is None and out.dtype is not None:
+        source.dtype = out.dtype
     if source.shape is None and out.shape is not None:
         source.shape = out.shape
     if not out.is_graph_output():
@@ -51,6 +54,97 @@ def _bypass(graph: Any, node: Any, source: Any) -> bool:
     graph.remove(node, safe=True)
     source.name = name
     return True
+
+
+#: a scatter's rows and values (`_rows_scattered`), on its node (in memory, never written)
+_ROWS = "ort_autopatch_rows"
+
+
+def accumulations_into_outputs_left_to_torch(graph: Any) -> dict[str, list[str]]:
+    """Each graph output made by adding values into rows of a tensor (`_rows_scattered`: an
+    embedding's gradient) returned as that tensor, with the rows and the values as outputs of
+    their own, for torch to add in place (`index_add_`, `program`); by output name, the
+    names of its rows and values. ONNX Runtime scatters in place only where the result stays
+    inside the graph: into a graph output it copies the whole tensor first (ScatterElements
+    adding 256 rows into a 50257 x 768 table: 2 ms in place, 57-164 ms as an output; GPT-2
+    small's tied gradient, BERT-base's word embeddings'). Only where that tensor is computed
+    in the graph and is no other output (else the scatter stays)."""
+    added: dict[str, list[str]] = {}
+    for node in list(graph):
+        kept = node.meta.get(_ROWS)
+        if kept is None:
+            continue
+        out, data = node.outputs[0], node.inputs[0]
+        at = [k for k, o in enumerate(graph.outputs) if o is out]
+        if len(at) != 1 or out.uses():  # read in the graph too: the sum is needed there
+            continue
+        if data.producer() is None or data.is_graph_output() or data.is_graph_input():
+            continue
+        rows, values = kept
+        if rows.is_graph_output() or values.is_graph_output():
+            continue
+        name, index = out.name, node.inputs[1]
+        graph.outputs[at[0]] = data
+        graph.remove(node, safe=True)
+        data.name = name
+        rows.name, values.name = f"{name}.rows", f"{name}.values"
+        graph.outputs.extend([rows, values])
+        _unused_dropped(graph, index)
+        added[name] = [rows.name, values.name]
+    return added
+
+
+def _unused_dropped(graph: Any, value: Any) -> None:
+    """The node making `value`, and in turn those making its inputs, removed where nothing
+    reads their outputs any more."""
+    node = value.producer()
+    if node is None or node.graph is not graph:  # an input, or removed by another path
+        return
+    if any(o.uses() or o.is_graph_output() for o in node.outputs):
+        return
+    inputs = [v for v in node.inputs if v is not None]
+    graph.remove(node, safe=True)
+    for source in inputs:
+        _unused_dropped(graph, source)
+
+
+def reshapes_into_outputs_left_to_torch(graph: Any) -> dict[str, list[int]]:
+    """Each graph output made by a Reshape of a value the graph computes, returned as that
+    value instead, under the output's name; the shape the output had, by name, for torch to
+    give it back at no cost (`program`). ONNX Runtime copies every Reshape into a graph
+    output: a convolution's weight gradient is made as a matrix (ResNet-50's 512 x 4608,
+    3.3 ms into (512, 512, 3, 3); 15 ms of its step at batch 2), a language model's logits
+    are viewed from (tokens, vocabulary) (GPT-2 small's 51 MB, 9 ms). The graph's own
+    readers of the reshaped value keep their Reshape. Only outputs of a static shape (a
+    symbolic one would have to be computed again at run time), and only where the value is
+    no input, no other output and no constant."""
+    viewed: dict[str, list[int]] = {}
+    for node in list(graph):
+        if node.op_type != "Reshape" or node.domain not in _ONNX or node.inputs[0] is None:
+            continue
+        out, source = node.outputs[0], node.inputs[0]
+        at = [k for k, o in enumerate(graph.outputs) if o is out]
+        if len(at) != 1 or out.shape is None or not all(isinstance(d, int) for d in out.shape):
+            continue
+        producer = source.producer()
+        if producer is None or producer.op_type == "Constant":
+            continue
+        if source.is_graph_output() or source.is_graph_input():
+            continue
+        name = out.name
+        if source.dtype is None:
+            source.dtype = out.dtype
+        graph.outputs[at[0]] = source
+        if out.uses():
+            out.name = f"{name}.reshaped"  # for the graph's own readers
+        else:
+            target = node.inputs[1] if len(node.inputs) > 1 else None
+            graph.remove(node, safe=True)
+            if target is not None:
+                _unused_dropped(graph, target)
+        source.name = name
+        viewed[name] = [int(d) for d in out.shape]
+    return viewed
 
 
 def identity_transposes_dropped(graph: Any) -> None:
@@ -239,10 +333,13 @@ def _rows_scattered(
         "Reshape",
         [updates, add(before, "Concat", [add(before, "Shape", [rows]), rest], axis=0)],
     )
+    column = rows
     if rank > 1:
-        rows = add(before, "Unsqueeze", [rows, constant(before, list(range(1, rank)))])
-    index = add(before, "Expand", [rows, add(before, "Shape", [values])])
-    return add(before, "ScatterElements", [data, index, values], axis=0, reduction="add")
+        column = add(before, "Unsqueeze", [rows, constant(before, list(range(1, rank)))])
+    index = add(before, "Expand", [column, add(before, "Shape", [values])])
+    result = add(before, "ScatterElements", [data, index, values], axis=0, reduction="add")
+    result.producer().meta[_ROWS] = (rows, values)
+    return result
 
 
 def _flattened_and_scattered(

@@ -51,6 +51,10 @@ class _Session:
     #: the runnable lets go of each feed once it has read it (`stages`): `run` hands the
     #: caller's values over
     consumes: bool = False
+    #: fetch index -> the shape its tensor is given back (`GraphFacts.viewed`)
+    viewed: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: fetch index -> the fetches of the rows and values added into it (`GraphFacts.added`)
+    added: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # whether the fetches are the outputs as they are (no input passed through, none
@@ -58,6 +62,8 @@ class _Session:
         self._as_fetched = self.outputs == [("onnx", k) for k in range(len(self.outputs))]
         passed = {k for kind, k in self.outputs if kind == "in"}
         self._handed = [k for k in self.feeds if k not in passed] if self.consumes else []
+        # the first fetch only torch's finishing reads (`added`): it and those after go
+        self._finishing = min((k for parts in self.added.values() for k in parts), default=0)
 
     def run(
         self,
@@ -82,12 +88,28 @@ class _Session:
             got = self.runnable.run(feeds, kept)
         except Exception as exc:
             raise session.execution_error(cls, phase, exc) from exc
+        for k, shape in self.viewed.items():
+            got[k] = _reshaped(got[k], shape)
+        if self.added:
+            for k, (rows, added) in self.added.items():
+                got[k].index_add_(0, got[rows], got[added])
+            del got[self._finishing :]
         if self._as_fetched:
             return got
         return [
             got[k] if kind == "onnx" else values[k] if kind == "in" else None
             for kind, k in self.outputs
         ]
+
+
+def _reshaped(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor`'s memory as a new contiguous tensor of `shape`: a graph output ONNX Runtime
+    returned unreshaped (`onnx_passes.reshapes_into_outputs_left_to_torch`). Not a view
+    (`Tensor.view`): eager's output has no `_base`, and autograd would treat writes into a
+    view of a Function's output as writes into the output it viewed."""
+    made = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    offset = int(tensor.storage_offset())
+    return made.set_(tensor.untyped_storage(), offset, shape)  # type: ignore[call-overload]
 
 
 _KEEP_DROPOUT = ("EliminateDropout",)
@@ -132,7 +154,15 @@ def _session_for(
             runs.append(session.RunnableSession.of(sess, device, stream, stage.outputs))
         staged = stages.StagedRunnable(staging, runs, facts.inputs)
         feeds = list(range(len(facts.inputs)))
-        return _Session(staged, feeds, outputs, False, consumes=True)  # type: ignore[arg-type]
+        return _Session(
+            staged,  # type: ignore[arg-type]
+            feeds,
+            outputs,
+            False,
+            consumes=True,
+            viewed=facts.viewed,
+            added=facts.added,
+        )
     # ORT's EliminateDropout removes Dropout nodes whose training flag is a Constant node
     # (what the exporter writes) as if they were inference no-ops: dropout silently off.
     sess, _ = session.create(
@@ -144,6 +174,8 @@ def _session_for(
         feeds=[inputs[name] for name in runnable.feed_names],
         outputs=outputs,
         draws=facts.draws,
+        viewed=facts.viewed,
+        added=facts.added,
     )
 
 

@@ -284,6 +284,7 @@ def test_rows_added_into_an_output_are_left_to_torch_where_the_table_is_computed
     scatter = ir.node("ScatterND", [data, inputs[1], inputs[2]], {"reduction": "add"})
     scatter.outputs[0].name = "y"
     scatter.outputs[0].shape = ir.Shape(shape)
+    scatter.outputs[0].dtype = ir.DataType.FLOAT  # as the translator gives an FX node's
     outputs, nodes = [scatter.outputs[0]], [*nodes, scatter]
     if case == "sum read in the graph":
         nodes.append(ir.node("Neg", [scatter.outputs[0]]))
@@ -296,6 +297,11 @@ def test_rows_added_into_an_output_are_left_to_torch_where_the_table_is_computed
         assert added == {} and "ScatterElements" in ops
         return
     assert added == {"y": ["y.rows", "y.values"]}
+    assert [o.dtype for o in graph.outputs] == [
+        ir.DataType.FLOAT,
+        ir.DataType.INT64,
+        ir.DataType.FLOAT,
+    ]
     assert "ScatterElements" not in ops and "Expand" not in ops  # nothing left unread
     proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
     session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])

@@ -69,6 +69,8 @@ def accumulations_into_outputs_left_to_torch(graph: Any) -> dict[str, list[str]]
     adding 256 rows into a 50257 x 768 table: 2 ms in place, 57-164 ms as an output; GPT-2
     small's tied gradient, BERT-base's word embeddings'). Only where that tensor is computed
     in the graph and is no other output (else the scatter stays)."""
+    import onnx_ir as ir
+
     added: dict[str, list[str]] = {}
     for node in list(graph):
         kept = node.meta.get(_ROWS)
@@ -84,6 +86,10 @@ def accumulations_into_outputs_left_to_torch(graph: Any) -> dict[str, list[str]]
         if rows.is_graph_output() or values.is_graph_output():
             continue
         name, index = out.name, node.inputs[1]
+        # outputs declared with their types (a backward cut in `stages` needs them)
+        for value, dtype in ((data, out.dtype), (values, out.dtype), (rows, ir.DataType.INT64)):
+            if value.dtype is None and dtype is not None:
+                value.dtype = dtype
         graph.outputs[at[0]] = data
         graph.remove(node, safe=True)
         data.name = name
@@ -132,7 +138,7 @@ def reshapes_into_outputs_left_to_torch(graph: Any) -> dict[str, list[int]]:
         if source.is_graph_output() or source.is_graph_input():
             continue
         name = out.name
-        if source.dtype is None:
+        if source.dtype is None and out.dtype is not None:
             source.dtype = out.dtype
         graph.outputs[at[0]] = source
         if out.uses():
@@ -268,6 +274,8 @@ def accumulating_scatters_by_element(graph: Any) -> None:
         name, was_output = out.name, out.is_graph_output()
         if result.shape is None:
             result.shape = out.shape
+        if result.dtype is None and out.dtype is not None:
+            result.dtype = out.dtype
         out.replace_all_uses_with(result, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         if was_output:

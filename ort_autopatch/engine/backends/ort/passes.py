@@ -124,6 +124,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     ),
     Pass("drop_regenerated", _drop_regenerated, lambda g: bool(g.captured.regenerated)),
     Pass("save_bases_of_views", _save_bases_of_views, _has_backward),
+    Pass("detaches_read_through", _each(fx_passes.detaches_read_through)),
     Pass("sums_without_kept_dims", _each(fx_passes.sums_without_kept_dims)),
     Pass("masks_multiplied_once", _each(fx_passes.masks_multiplied_once)),
     Pass("pads_summed_into_cat", _each(fx_passes.pads_summed_into_cat)),

@@ -291,11 +291,20 @@ def _attention() -> nn.Module:
     return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
 
 
+def _embedding() -> nn.Module:
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16))
+
+
 MODELS = {
     "mlp": (_mlp, lambda: (torch.randn(6, 16, requires_grad=True),)),
     "cnn": (_cnn, lambda: (torch.randn(2, 3, 8, 8),)),
     "attention": (_attention, lambda: (torch.randn(2, 5, 16, requires_grad=True),)),
+    # repeated ids: rows added by torch after the stages (`GraphFacts.added`)
+    "embedding": (_embedding, lambda: (torch.randint(0, 10, (4, 32)),)),
 }
+#: what torch finishes of each model's staged backward (`GraphFacts`): the convolutions'
+#: weight gradients made as matrices, the embedding's rows
+FINISHED = {"cnn": "viewed", "embedding": "added"}
 
 
 def _staged(plain: PlainCall) -> int:
@@ -316,6 +325,8 @@ def test_training_through_a_staged_backward_is_eagers(name: str, always_staged: 
     eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.05)
     plain = PlainCall(model, *inputs())
     assert _staged(plain) >= 2
+    if name in FINISHED:
+        assert getattr(plain.lowered.facts["backward"], FINISHED[name])
     for step in range(3):
         x = inputs()
         mine = [t.detach().clone().requires_grad_(t.requires_grad) for t in x]

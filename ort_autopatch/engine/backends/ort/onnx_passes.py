@@ -41,18 +41,28 @@ def _bypass(graph: Any, node: Any, source: Any) -> bool:
         source.dtype = out.dtype
     if source.shape is None and out.shape is not None:
         source.shape = out.shape
-    if not out.is_graph_output():
-        out.replace_all_uses_with(source)
-        graph.remove(node, safe=True)
-        return True
-    if source.producer() is None or source.is_graph_output() or source.is_graph_input():
+    if out.is_graph_output() and not _output_taken_by(graph, out, source):
         return False
-    if sum(o is out for o in graph.outputs) != 1:
-        return False
-    name = out.name
-    out.replace_all_uses_with(source, replace_graph_outputs=True)
+    out.replace_all_uses_with(source)
     graph.remove(node, safe=True)
-    source.name = name
+    return True
+
+
+def _output_taken_by(graph: Any, out: Any, value: Any) -> bool:
+    """`value` put in the place of the graph output `out`, under its name and declared with
+    its type (`out` keeps its readers, renamed), where `value` is computed in the graph, is
+    no input and no other output, and `out` is an output once. Whether it was."""
+    at = [k for k, o in enumerate(graph.outputs) if o is out]
+    if len(at) != 1 or value.producer() is None:
+        return False
+    if value.is_graph_output() or value.is_graph_input():
+        return False
+    if value.dtype is None and out.dtype is not None:
+        value.dtype = out.dtype
+    graph.outputs[at[0]] = value
+    name = out.name
+    out.name = f"{name}.replaced"
+    value.name = name  # the program reads outputs by name
     return True
 
 
@@ -77,22 +87,18 @@ def accumulations_into_outputs_left_to_torch(graph: Any) -> dict[str, list[str]]
         if kept is None:
             continue
         out, data = node.outputs[0], node.inputs[0]
-        at = [k for k, o in enumerate(graph.outputs) if o is out]
-        if len(at) != 1 or out.uses():  # read in the graph too: the sum is needed there
-            continue
-        if data.producer() is None or data.is_graph_output() or data.is_graph_input():
-            continue
         rows, values = kept
-        if rows.is_graph_output() or values.is_graph_output():
-            continue
+        if out.uses() or rows.is_graph_output() or values.is_graph_output():
+            continue  # the sum read in the graph too, or rows or values handed out already
         name, index = out.name, node.inputs[1]
-        # outputs declared with their types (a backward cut in `stages` needs them)
-        for value, dtype in ((data, out.dtype), (values, out.dtype), (rows, ir.DataType.INT64)):
-            if value.dtype is None and dtype is not None:
-                value.dtype = dtype
-        graph.outputs[at[0]] = data
+        if not _output_taken_by(graph, out, data):
+            continue
         graph.remove(node, safe=True)
-        data.name = name
+        # declared with their types (a backward cut in `stages` needs them)
+        if values.dtype is None:
+            values.dtype = data.dtype
+        if rows.dtype is None:
+            rows.dtype = ir.DataType.INT64
         rows.name, values.name = f"{name}.rows", f"{name}.values"
         graph.outputs.extend([rows, values])
         _unused_dropped(graph, index)
@@ -129,26 +135,18 @@ def reshapes_into_outputs_left_to_torch(graph: Any) -> dict[str, list[int]]:
         if node.op_type != "Reshape" or node.domain not in _ONNX or node.inputs[0] is None:
             continue
         out, source = node.outputs[0], node.inputs[0]
-        at = [k for k, o in enumerate(graph.outputs) if o is out]
-        if len(at) != 1 or out.shape is None or not all(isinstance(d, int) for d in out.shape):
+        if out.shape is None or not all(isinstance(d, int) for d in out.shape):
             continue
         producer = source.producer()
-        if producer is None or producer.op_type == "Constant":
+        if producer is not None and producer.op_type == "Constant":
+            continue  # an initializer to ORT, which copies it into an output either way
+        name, target = out.name, node.inputs[1] if len(node.inputs) > 1 else None
+        if not _output_taken_by(graph, out, source):
             continue
-        if source.is_graph_output() or source.is_graph_input():
-            continue
-        name = out.name
-        if source.dtype is None and out.dtype is not None:
-            source.dtype = out.dtype
-        graph.outputs[at[0]] = source
-        if out.uses():
-            out.name = f"{name}.reshaped"  # for the graph's own readers
-        else:
-            target = node.inputs[1] if len(node.inputs) > 1 else None
+        if not out.uses():  # else the Reshape stays for the graph's own readers
             graph.remove(node, safe=True)
             if target is not None:
                 _unused_dropped(graph, target)
-        source.name = name
         viewed[name] = [int(d) for d in out.shape]
     return viewed
 

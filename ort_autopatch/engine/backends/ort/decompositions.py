@@ -6,8 +6,10 @@ operator in a joint graph must be decomposed. The base is the exporter's own cho
 operator torchlib lacks gets torch's decomposition); on top of it, declared here once:
 
 - `_native_batch_norm_legit_functional`: torchlib's translation hard-codes training off, so a
-  BatchNorm in train mode would silently normalise with the running statistics. Decomposed
-  (ours: in fewer passes over the input than torch's).
+  BatchNorm in train mode would silently normalise with the running statistics. In train
+  mode one operator of ours (`batch_norms`: a trace records one node, not fifteen), its
+  backward (`native_batch_norm_backward`) another; where those do not apply, decomposed (ours:
+  in fewer passes over the input than torch's; the backward torch's).
 - `nll_loss_forward`: torchlib's translation returns a total weight of 1 where ATen returns
   the number of counted targets (the backward divides by it): with the mean reduction every
   gradient came out batch-size times too large, again without an error. Decomposed.
@@ -78,7 +80,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import windows
+from ort_autopatch.engine.backends.ort import batch_norms, windows
 
 aten = torch.ops.aten
 
@@ -86,7 +88,6 @@ aten = torch.ops.aten
 TORCH_DECOMPOSED = (
     aten.nll_loss_forward.default,
     aten.nll_loss2d_forward.default,
-    aten.native_batch_norm_backward.default,
     aten.embedding_dense_backward.default,
     aten.native_layer_norm_backward.default,
     aten.native_group_norm_backward.default,
@@ -401,48 +402,11 @@ def leaky_relu_backward(
     return grad_output * (positive + (1 - positive) * negative_slope)
 
 
-def native_batch_norm_legit_functional(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor,
-    running_var: torch.Tensor,
-    training: bool,
-    momentum: float,
-    eps: float,
-) -> tuple[torch.Tensor, ...]:
-    """BatchNorm in train mode in six passes over the input where torch's decomposition
-    takes nine (its `var_mean` finds the mean twice, and it scales by the inverse deviation
-    and the weight one after the other): mean, centre, square, mean, then one scale and one
-    shift per channel. Eval mode is torch's own."""
-    if not training:
-        from torch._decomp import decompositions as torch_decompositions
-
-        result: tuple[torch.Tensor, ...] = torch_decompositions._native_batch_norm_legit_functional(
-            input, weight, bias, running_mean, running_var, training, momentum, eps
-        )
-        return result
-    dims = [0, *range(2, input.dim())]
-    computation = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
-    x = input.to(computation)
-    mean = x.mean(dims, keepdim=True)
-    centred = x - mean
-    variance = (centred * centred).mean(dims, keepdim=True)
-    rstd = torch.rsqrt(variance + eps)
-    scale = rstd if weight is None else rstd * weight.flatten().reshape(mean.shape)
-    output = centred * scale
-    if bias is not None:
-        output = output + bias.flatten().reshape(mean.shape)
-    save_mean, save_rstd = mean.flatten(), rstd.flatten()
-    count = input.numel() / input.shape[1]
-    new_mean = momentum * save_mean + (1 - momentum) * running_mean
-    new_var = momentum * variance.flatten() * (count / (count - 1)) + (1 - momentum) * running_var
-    # the saved statistics stay in the computation's precision, as ATen's kernel keeps them
-    return output.to(input.dtype), save_mean, save_rstd, new_mean, new_var
-
-
 OURS: dict[Any, Callable[..., Any]] = {
-    aten._native_batch_norm_legit_functional.default: native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_functional.default: (
+        batch_norms.native_batch_norm_legit_functional
+    ),
+    aten.native_batch_norm_backward.default: batch_norms.native_batch_norm_backward,
     aten.max_pool2d_with_indices.default: windows.max_pool2d_with_indices,
     aten.max_pool2d_with_indices_backward.default: windows.max_pool2d_with_indices_backward,
     aten.threshold_backward.default: threshold_backward,

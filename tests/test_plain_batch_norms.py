@@ -1,0 +1,125 @@
+"""BatchNorm in train mode as one operator each way (`batch_norms`): the operators' kernels
+equal ATen's, a trace records one node each way where they apply (and the decompositions
+elsewhere), and their ONNX translations run in ONNX Runtime to eager's numbers at every rank
+BatchNorm takes, in float32 and float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine.backends.ort import batch_norms
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
+
+aten = torch.ops.aten
+OURS = torch.ops.ort_autopatch
+SHAPES = [(6, 4), (3, 4, 5), (2, 4, 5, 3), (2, 4, 3, 2, 3)]
+DTYPES = [torch.float32, torch.float64]
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "mask", [(True, True, True), (True, False, False), (True, True, False)], ids=str
+)
+def test_the_backward_equals_atens(
+    shape: tuple[int, ...], dtype: torch.dtype, mask: tuple[bool, bool, bool]
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=dtype) * 3 + 1
+    channels = shape[1]
+    weight, bias = torch.randn(channels, dtype=dtype), torch.randn(channels, dtype=dtype)
+    mean, var = torch.zeros(channels, dtype=dtype), torch.ones(channels, dtype=dtype)
+    _, save_mean, save_rstd = aten.native_batch_norm(x, weight, bias, mean, var, True, 0.1, 1e-5)
+    grad = torch.randn(shape, generator=gen, dtype=dtype)
+    args = (grad, x, weight, mean, var, save_mean, save_rstd, True, 1e-5, list(mask))
+    expected = aten.native_batch_norm_backward(*args)
+    got = batch_norms.native_batch_norm_backward(*args)
+    for asked, a, e in zip(mask, got, expected, strict=True):
+        if not asked:
+            assert a is None
+            continue
+        assert a is not None and a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e)
+
+
+def test_the_operators_apply_to_whole_float_batch_norms_of_static_sizes() -> None:
+    x, c = torch.randn(2, 3, 4), torch.randn(3)
+    assert batch_norms.batch_norm_operators(x, c, c) == 8
+    assert batch_norms.batch_norm_operators(x.double(), c.double()) == 8
+    assert batch_norms.batch_norm_operators(x, None, c) is None  # affine=False
+    assert batch_norms.batch_norm_operators(x.bfloat16(), c, c) is None  # computed in float32
+    assert batch_norms.batch_norm_operators(x, c.double()) is None
+    assert batch_norms.batch_norm_operators(torch.randn(3), c) is None
+
+
+class _Normed(nn.Module):
+    """A linear map over the channels, then BatchNorm: the BatchNorm's input requires grad
+    (its gradient is the input's gradient's way back) and its parameters train."""
+
+    def __init__(self, dims: int, dtype: torch.dtype, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.eye(4, dtype=dtype) + 0.1)
+        norm = (nn.BatchNorm1d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)[dims - 2]
+        self.norm = norm(4, momentum=momentum, dtype=dtype)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.einsum("nc...,cd->nd...", x, self.mix))
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_batch_norm_trains_through_one_operator_each_way_to_eagers_numbers(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """The operators' translations in ONNX Runtime: outputs, gradients of the input, the
+    weight and the bias, and the running statistics equal eager's over three steps."""
+    torch.manual_seed(0)
+    model = _Normed(len(shape), dtype)
+    eager = copy.deepcopy(model)
+    plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=True))
+    assert _targets(plain.captured.forward).count(OURS.batch_norm_training.default) == 1
+    assert plain.captured.backward is not None
+    backward = _targets(plain.captured.backward)
+    assert backward.count(OURS.batch_norm_training_backward.default) == 1
+    assert aten.rsqrt.default not in _targets(plain.captured.forward) + backward
+    for step in range(3):
+        x = torch.randn(shape, dtype=dtype) * 3 + 1
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, expected = plain(ours), eager(theirs)
+        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
+        torch.testing.assert_close(out, expected)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            p.grad = q.grad = None
+        for (name, b), e in zip(model.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(b, e, msg=name)
+    assert int(model.norm.num_batches_tracked) == 3
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+def test_an_eval_mode_batch_norm_keeps_torchs_decomposition() -> None:
+    """Eval mode normalises with the running statistics: torch's decomposition, no operator
+    of ours."""
+    torch.manual_seed(0)
+    model = _Normed(4, torch.float32).eval()
+    plain = PlainCall(model, torch.randn(2, 4, 3, 3, requires_grad=True))
+    targets = _targets(plain.captured.forward)
+    assert OURS.batch_norm_training.default not in targets
+    x = torch.randn(2, 4, 3, 3)
+    torch.testing.assert_close(plain(x), model(x))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from ort_autopatch.engine.backends.ort import batch_norms, decompositions, windows
+from ort_autopatch.engine.backends.ort import decompositions, norms, windows
 
 aten = torch.ops.aten
 
@@ -509,7 +509,7 @@ def test_batch_norm_equals_atens_outputs_and_running_statistics(
     mean, var = torch.randn(channels, dtype=torch.float64), torch.rand(channels) + 0.5
     args = (x, weight, bias, mean, var.double(), training, 0.1, 1e-5)
     expected = aten._native_batch_norm_legit_functional(*args)
-    got = batch_norms.native_batch_norm_legit_functional(*args)
+    got = norms.native_batch_norm_legit_functional(*args)
     names = ("output", "mean", "inverse deviation", "running mean", "running variance")
     for name, a, e in zip(names, got, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, name
@@ -522,7 +522,7 @@ def test_half_precision_batch_norm_computes_in_float_like_aten() -> None:
     weight, bias = torch.randn(3), torch.randn(3)
     args = (x, weight, bias, torch.zeros(3), torch.ones(3), True, 0.1, 1e-5)
     expected = aten._native_batch_norm_legit_functional(*args)
-    got = batch_norms.native_batch_norm_legit_functional(*args)
+    got = norms.native_batch_norm_legit_functional(*args)
     for a, e in zip(got, expected, strict=True):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e)

@@ -7,9 +7,13 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 
 - `_native_batch_norm_legit_functional`: torchlib's translation hard-codes training off, so a
   BatchNorm in train mode would silently normalise with the running statistics. In train
-  mode one operator of ours (`batch_norms`: a trace records one node, not fifteen), its
-  backward (`native_batch_norm_backward`) another; where those do not apply, decomposed (ours:
-  in fewer passes over the input than torch's; the backward torch's).
+  mode one operator of ours (`norms`: a trace records one node, not fifteen), its backward
+  (`native_batch_norm_backward`) another; where those do not apply, decomposed (ours: in
+  fewer passes over the input than torch's; the backward torch's).
+- `native_layer_norm_backward`: one operator of ours (`norms`), with torch's decomposition's
+  arithmetic; torch's decomposition where it does not apply. `native_layer_norm` in float64:
+  torch's decomposition (ONNX's LayerNormalization keeps its statistics in float32 at most,
+  and ORT refused the graphs whose backward read them); torchlib's elsewhere.
 - `nll_loss_forward`: torchlib's translation returns a total weight of 1 where ATen returns
   the number of counted targets (the backward divides by it): with the mean reduction every
   gradient came out batch-size times too large, again without an error. Decomposed.
@@ -80,7 +84,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import batch_norms, windows
+from ort_autopatch.engine.backends.ort import norms, windows
 
 aten = torch.ops.aten
 
@@ -89,7 +93,6 @@ TORCH_DECOMPOSED = (
     aten.nll_loss_forward.default,
     aten.nll_loss2d_forward.default,
     aten.embedding_dense_backward.default,
-    aten.native_layer_norm_backward.default,
     aten.native_group_norm_backward.default,
     aten.native_dropout_backward.default,
     aten.nll_loss_backward.default,
@@ -403,10 +406,10 @@ def leaky_relu_backward(
 
 
 OURS: dict[Any, Callable[..., Any]] = {
-    aten._native_batch_norm_legit_functional.default: (
-        batch_norms.native_batch_norm_legit_functional
-    ),
-    aten.native_batch_norm_backward.default: batch_norms.native_batch_norm_backward,
+    aten._native_batch_norm_legit_functional.default: (norms.native_batch_norm_legit_functional),
+    aten.native_batch_norm_backward.default: norms.native_batch_norm_backward,
+    aten.native_layer_norm.default: norms.native_layer_norm,
+    aten.native_layer_norm_backward.default: norms.native_layer_norm_backward,
     aten.max_pool2d_with_indices.default: windows.max_pool2d_with_indices,
     aten.max_pool2d_with_indices_backward.default: windows.max_pool2d_with_indices_backward,
     aten.threshold_backward.default: threshold_backward,
@@ -493,9 +496,12 @@ def table(implemented: frozenset[Any] | None = None) -> dict[Any, Callable[..., 
 
 @functools.cache
 def decomposable() -> frozenset[Any]:
-    """The operators torch's tables decompose: those whose place in `table` depends on what
-    torchlib translates."""
-    return frozenset(op for op, _ in _torch_tables())
+    """The operators torch's tables decompose, less those whose entry is ours whatever
+    torchlib translates (`OURS`, `TORCH_DECOMPOSED`, `BEFORE_AUTOGRAD`, `KEPT`): those whose
+    place in `table` depends on what torchlib translates. (A LayerNorm, once in `OURS`, made
+    every build whose first trace had misread it trace again, into the same graph.)"""
+    fixed = {*OURS, *TORCH_DECOMPOSED, *BEFORE_AUTOGRAD, *KEPT}
+    return frozenset(op for op, _ in _torch_tables() if op not in fixed)
 
 
 def alike(one: frozenset[Any], other: frozenset[Any]) -> bool:

@@ -185,10 +185,10 @@ OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
 
 def our_translations() -> dict[Any, Any]:
     """Our own operators and their ONNX translations, from the modules that define them:
-    `recurrent`'s scans, `windows`' SpaceToDepth and `batch_norms`' BatchNorm."""
-    from ort_autopatch.engine.backends.ort import batch_norms, recurrent, windows
+    `recurrent`'s scans, `windows`' SpaceToDepth and `norms`' BatchNorm and LayerNorm."""
+    from ort_autopatch.engine.backends.ort import norms, recurrent, windows
 
-    return {**recurrent.TRANSLATIONS, **windows.TRANSLATIONS, **batch_norms.TRANSLATIONS}
+    return {**recurrent.TRANSLATIONS, **windows.TRANSLATIONS, **norms.TRANSLATIONS}
 
 
 _lock = threading.Lock()

@@ -1,7 +1,7 @@
-"""BatchNorm in train mode as one operator each way (`batch_norms`): the operators' kernels
-equal ATen's, a trace records one node each way where they apply (and the decompositions
-elsewhere), and their ONNX translations run in ONNX Runtime to eager's numbers at every rank
-BatchNorm takes, in float32 and float64."""
+"""Normalisations as operators of ours (`norms`): BatchNorm in train mode one each way,
+LayerNorm's backward. The operators' kernels equal ATen's, a trace records one node where they
+apply (and the decompositions elsewhere), and their ONNX translations run in ONNX Runtime to
+eager's numbers at every rank the module takes, in float32 and float64."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ort_autopatch.engine.backends.ort import batch_norms
+from ort_autopatch.engine.backends.ort import norms
 from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
 
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ def test_the_backward_equals_atens(
     grad = torch.randn(shape, generator=gen, dtype=dtype)
     args = (grad, x, weight, mean, var, save_mean, save_rstd, True, 1e-5, list(mask))
     expected = aten.native_batch_norm_backward(*args)
-    got = batch_norms.native_batch_norm_backward(*args)
+    got = norms.native_batch_norm_backward(*args)
     for asked, a, e in zip(mask, got, expected, strict=True):
         if not asked:
             assert a is None
@@ -50,14 +50,14 @@ def test_the_backward_equals_atens(
         torch.testing.assert_close(a, e)
 
 
-def test_the_operators_apply_to_whole_float_batch_norms_of_static_sizes() -> None:
+def test_the_operators_apply_to_whole_float_norms_of_static_sizes() -> None:
     x, c = torch.randn(2, 3, 4), torch.randn(3)
-    assert batch_norms.batch_norm_operators(x, c, c) == 8
-    assert batch_norms.batch_norm_operators(x.double(), c.double()) == 8
-    assert batch_norms.batch_norm_operators(x, None, c) is None  # affine=False
-    assert batch_norms.batch_norm_operators(x.bfloat16(), c, c) is None  # computed in float32
-    assert batch_norms.batch_norm_operators(x, c.double()) is None
-    assert batch_norms.batch_norm_operators(torch.randn(3), c) is None
+    assert norms.batch_norm_operators(x, c, c) == 8
+    assert norms.batch_norm_operators(x.double(), c.double()) == 8
+    assert norms.batch_norm_operators(x, None, c) is None  # affine=False
+    assert norms.batch_norm_operators(x.bfloat16(), c, c) is None  # computed in float32
+    assert norms.batch_norm_operators(x, c.double()) is None
+    assert norms.batch_norm_operators(torch.randn(3), c) is None
 
 
 class _Normed(nn.Module):
@@ -123,3 +123,81 @@ def test_an_eval_mode_batch_norm_keeps_torchs_decomposition() -> None:
     assert OURS.batch_norm_training.default not in targets
     x = torch.randn(2, 4, 3, 3)
     torch.testing.assert_close(plain(x), model(x))
+
+
+#: (input shape, normalised shape)
+LAYER_NORMS = [((4, 6), (6,)), ((2, 3, 8), (8,)), ((2, 3, 4, 5), (4, 5)), ((2, 3, 8), (3, 8))]
+MASKS = [(True, True, True), (True, False, False), (True, True, False), (False, True, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize(("shape", "normalized"), LAYER_NORMS, ids=str)
+def test_the_layer_norm_backward_equals_atens(
+    shape: tuple[int, ...],
+    normalized: tuple[int, ...],
+    mask: tuple[bool, bool, bool],
+    dtype: torch.dtype,
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=dtype) * 3 + 1
+    weight = torch.randn(normalized, generator=gen, dtype=dtype)
+    bias = torch.randn(normalized, generator=gen, dtype=dtype)
+    _, mean, rstd = aten.native_layer_norm(x, list(normalized), weight, bias, 1e-5)
+    grad = torch.randn(shape, generator=gen, dtype=dtype)
+    args = (grad, x, list(normalized), mean, rstd, weight, bias, list(mask))
+    expected = aten.native_layer_norm_backward(*args)
+    got = norms.native_layer_norm_backward(*args)
+    for asked, a, e in zip(mask, got, expected, strict=True):
+        if not asked:
+            assert a is None
+            continue
+        assert a is not None and a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e)
+
+
+class _LayerNormed(nn.Module):
+    def __init__(self, normalized: tuple[int, ...], dtype: torch.dtype, frozen: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=dtype))
+        self.norm = nn.LayerNorm(normalized, dtype=dtype)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-1, 1)
+        self.norm.requires_grad_(not frozen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x * self.scale)
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "normalized"), LAYER_NORMS, ids=str)
+def test_a_layer_norm_trains_through_one_backward_operator_to_eagers_numbers(
+    shape: tuple[int, ...], normalized: tuple[int, ...], dtype: torch.dtype, frozen: bool
+) -> None:
+    """The backward operator's translation in ONNX Runtime: the gradients of the input, of a
+    parameter before the LayerNorm and of its own weight and bias (or none: a frozen
+    LayerNorm, as LoRA fine-tuning leaves it) equal eager's over three steps."""
+    torch.manual_seed(0)
+    model = _LayerNormed(normalized, dtype, frozen)
+    eager = copy.deepcopy(model)
+    plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=True))
+    assert plain.captured.backward is not None
+    backward = _targets(plain.captured.backward)
+    assert backward.count(OURS.layer_norm_backward.default) == 1
+    for step in range(3):
+        x = torch.randn(shape, dtype=dtype) * 3 + 1
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, expected = plain(ours), eager(theirs)
+        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
+        torch.testing.assert_close(out, expected)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            assert (p.grad is None) == frozen or name == "scale", name
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            p.grad = q.grad = None

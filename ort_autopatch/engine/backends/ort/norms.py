@@ -1,27 +1,30 @@
-"""BatchNorm in train mode as one operator of ours each way, forward and backward, in the
-plain backend's traces; each translates to the ONNX nodes the decompositions made before.
+"""Normalisations as operators of ours in the plain backend's traces: BatchNorm in train mode
+one each way, forward and backward, and LayerNorm's backward (its forward is torchlib's
+LayerNormalization). Each translates to the ONNX nodes the decompositions made before.
 
 Decomposed, a BatchNorm is about fifteen forward operators (the statistics, the scale and
-shift, the running statistics' update) and about twenty backward ones, each traced on fake
-tensors through aot's functionalization, partitioned and translated one by one. ResNet-50's
-53 BatchNorms were half of its first call: the same network with the BatchNorms taken out
-traced in 1.4 s against 4.3 s, and lowered in 0.6 s against 1.3 s. Here each is two nodes
-(`batch_norm_training`, `batch_norm_training_backward`) whose translations (`TRANSLATIONS`)
-add the same arithmetic, in the same order, to the ONNX graph.
+shift, the running statistics' update) and about twenty backward ones, and a LayerNorm's
+backward about fifteen, each traced on fake tensors through aot's functionalization,
+partitioned and translated one by one. ResNet-50's 53 BatchNorms were half of its first call:
+the same network with the BatchNorms taken out traced in 1.4 s against 4.3 s, and lowered in
+0.6 s against 1.3 s. Here each is one node (`batch_norm_training`,
+`batch_norm_training_backward`, `layer_norm_backward`) whose translation (`TRANSLATIONS`)
+adds the same arithmetic, in the same order, to the ONNX graph.
 
-The arithmetic is the decompositions': forward in six passes over the input (mean, centre,
-square, mean, one scale and one shift per channel: `decomposed_batch_norm`), backward
-torch's `native_batch_norm_backward` in train mode. The operators' eager kernels compute
-the same in torch, so a translation can be held to them (tests) and a graph run in torch
-runs them. The decompositions decide where the operators apply (`batch_norm_operators`):
-float32 or float64, weight and bias given, static sizes (the running variance's correction
-and the backward's 1 / N are constants); elsewhere the decompositions as before.
+The arithmetic is the decompositions': BatchNorm's forward in six passes over the input
+(mean, centre, square, mean, one scale and one shift per channel: `decomposed_batch_norm`),
+the backwards torch's `native_batch_norm_backward` (train mode) and
+`native_layer_norm_backward`. The operators' eager kernels compute the same in torch, so a
+translation can be held to them (tests) and a graph run in torch runs them. The
+decompositions decide where the operators apply: float32 or float64, weight and bias given,
+static sizes (the running variance's correction and 1 / N are constants); elsewhere the
+decompositions as before.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -264,39 +267,140 @@ def native_batch_norm_backward(
     )
 
 
+@torch.library.custom_op(f"{NAMESPACE}::layer_norm_backward", mutates_args=())
+def layer_norm_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    inner: int,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of the input, weight and bias of a LayerNorm over the last `inner`
+    dimensions, from its saved mean and inverse deviation (shaped as the input, with those
+    dimensions 1): torch's decomposition of `native_layer_norm_backward`, its terms in its
+    order. A gradient `output_mask` does not ask for is an empty tensor."""
+    rank = input.dim()
+    inner_dims, outer_dims = list(range(rank - inner, rank)), list(range(rank - inner))
+    n = math.prod(input.shape[rank - inner :])
+    x_hat = (input - mean) * rstd
+    grad_x_hat = grad_output * weight
+    a = grad_x_hat * n
+    b = grad_x_hat.sum(inner_dims, keepdim=True)
+    c3 = x_hat * (grad_x_hat * x_hat).sum(inner_dims, keepdim=True)
+    grad_input = (rstd / n) * (a - b - c3) if output_mask[0] else input.new_empty(0)
+    grad_weight = (grad_output * x_hat).sum(outer_dims) if output_mask[1] else input.new_empty(0)
+    grad_bias = grad_output.sum(outer_dims) if output_mask[2] else input.new_empty(0)
+    return grad_input, grad_weight, grad_bias
+
+
+@layer_norm_backward.register_fake
+def _(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    inner: int,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor, ...]:
+    return (
+        input.new_empty(input.shape if output_mask[0] else (0,)),
+        weight.new_empty(weight.shape if output_mask[1] else (0,)),
+        weight.new_empty(weight.shape if output_mask[2] else (0,)),
+    )
+
+
+def native_layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> Any:
+    """`aten.native_layer_norm`: torchlib's LayerNormalization (NotImplemented: the trace
+    keeps the operator), except in float64. ONNX's LayerNormalization keeps its mean and
+    inverse deviation in float32 at most (`stash_type`), where ATen's are float64: ORT
+    refused every float64 LayerNorm's training graph (the backward's reads declared double,
+    the statistics float). There, torch's decomposition, in float64 throughout."""
+    if input.dtype != torch.float64:
+        return NotImplemented
+    from torch._decomp import decomposition_table
+
+    decomposition = decomposition_table[aten.native_layer_norm.default]  # torch._refs'
+    return decomposition(input, list(normalized_shape), weight, bias, eps)
+
+
+def native_layer_norm_backward(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`aten.native_layer_norm_backward`: our operator where it applies (float32 or float64,
+    weight and bias given, static sizes, a dimension outside the normalised ones, the input's
+    gradient asked for), else torch's decomposition. Gradients not asked for are None, as
+    the decomposition returns them, and are not computed."""
+    inner = len(normalized_shape)
+    whole = (
+        input.dtype in _TYPES
+        and 0 < inner < input.dim()
+        and all(type(size) is int and size > 0 for size in input.shape)
+        and all(
+            t is not None and t.dtype == input.dtype for t in (grad_out, mean, rstd, weight, bias)
+        )
+        and output_mask[0]
+    )
+    if not whole:
+        from torch._decomp import decompositions as torch_decompositions
+
+        return torch_decompositions.native_layer_norm_backward(
+            grad_out, input, list(normalized_shape), mean, rstd, weight, bias, list(output_mask)
+        )
+    assert weight is not None
+    while mean.dim() < input.dim():  # as the decomposition takes them (`_unsqueeze_to_dim`)
+        mean, rstd = mean.unsqueeze(-1), rstd.unsqueeze(-1)
+    grad_input, grad_weight, grad_bias = layer_norm_backward(
+        grad_out.contiguous(), input.contiguous(), mean, rstd, weight, inner, list(output_mask)
+    )
+    return (
+        grad_input,
+        grad_weight if output_mask[1] else None,
+        grad_bias if output_mask[2] else None,
+    )
+
+
 class _Declared:
     """Types and shapes for the values a translation makes, as the translator gives every FX
-    node's: the values of the input's shape, of one per channel, broadcast per channel. A
-    backward cut into stages (`stages`) declares the values crossing stages with theirs, and
-    left whole the graphs where one had none (a small CNN's whole backward, with these)."""
+    node's (`shaped`: the input's type, a given shape). A backward cut into stages (`stages`)
+    declares the values crossing stages with theirs, and left whole the graphs where one had
+    none (a small CNN's whole backward, before these)."""
 
     def __init__(self, input: Any) -> None:
+        shape = input.shape
+        if shape is None or not all(isinstance(size, int) for size in shape):
+            raise ValueError(f"the sizes of {input!r} are unknown")
+        self.dtype, self.sizes, self.rank = input.dtype, [int(s) for s in shape], len(shape)
+
+    def shaped(self, sizes: Sequence[int]) -> Callable[[Any], Any]:
+        """Declares a value (and returns it) of the input's type and `sizes`."""
         from onnxscript import ir
 
-        shape = input.shape
-        if shape is None or not isinstance(shape[1], int):
-            raise ValueError(f"the channels of {input!r} are unknown")
-        self.dtype, self.shape, self.rank = input.dtype, shape, len(shape)
-        channels = shape[1]
-        self.channel = ir.Shape([channels])
-        self.broadcast = ir.Shape([1, channels] + [1] * (self.rank - 2))
+        shape = ir.Shape(list(sizes))
 
-    @staticmethod
-    def _given(value: Any, dtype: Any, shape: Any) -> Any:
-        if value.dtype is None:
-            value.dtype = dtype
-        if value.shape is None:
-            value.shape = shape
-        return value
+        def given(value: Any) -> Any:
+            if value.dtype is None:
+                value.dtype = self.dtype
+            if value.shape is None:
+                value.shape = shape
+            return value
 
-    def full(self, value: Any) -> Any:
-        return self._given(value, self.dtype, self.shape)
-
-    def per_channel(self, value: Any) -> Any:
-        return self._given(value, self.dtype, self.channel)
-
-    def broadcast_channel(self, value: Any) -> Any:
-        return self._given(value, self.dtype, self.broadcast)
+        return given
 
     def scalar(self, value: float) -> Any:
         """`value` as a constant of the input's type, rounded once from Python's double (a
@@ -308,6 +412,13 @@ class _Declared:
 
         constant: Any = ir.tensor(np.array(value, dtype=self.dtype.numpy()))
         return op.Constant(value=constant)
+
+
+def _per_channel(d: _Declared) -> tuple[Callable[[Any], Any], ...]:
+    """The declarations of a BatchNorm's values: the input's shape, (C,), (1, C, 1, ...)."""
+    channels = d.sizes[1]
+    broadcast = [1, channels] + [1] * (d.rank - 2)
+    return d.shaped(d.sizes), d.shaped([channels]), d.shaped(broadcast)
 
 
 def lower_batch_norm_training(
@@ -323,7 +434,7 @@ def lower_batch_norm_training(
     from onnxscript import opset18 as op
 
     d = _Declared(input)
-    full, channel, wide = d.full, d.per_channel, d.broadcast_channel
+    full, channel, wide = _per_channel(d)
     axes: Any = op.Constant(value_ints=_reduced(d.rank))
     shape: Any = op.Constant(value_ints=_channel_shape(d.rank))
     flat: Any = op.Constant(value_ints=[-1])
@@ -359,7 +470,7 @@ def lower_batch_norm_training_backward(
     from onnxscript import opset18 as op
 
     d = _Declared(input)
-    full, channel, wide = d.full, d.per_channel, d.broadcast_channel
+    full, channel, wide = _per_channel(d)
     axes: Any = op.Constant(value_ints=_reduced(d.rank))
     shape: Any = op.Constant(value_ints=_channel_shape(d.rank))
     centred = full(op.Sub(input, wide(op.Reshape(save_mean, shape))))
@@ -375,10 +486,62 @@ def lower_batch_norm_training_backward(
     return grad_input, channel(op.Mul(dot, save_rstd)), grad_output_sum
 
 
+def lower_layer_norm_backward(
+    grad_output: Any,
+    input: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    inner: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    from onnxscript import opset18 as op
+
+    d = _Declared(input)
+    full = d.shaped(d.sizes)
+    outer = d.sizes[: d.rank - inner]
+    stats = d.shaped(outer + [1] * inner)
+    params = d.shaped(d.sizes[d.rank - inner :])
+    inner_axes: Any = op.Constant(value_ints=list(range(d.rank - inner, d.rank)))
+    outer_axes: Any = op.Constant(value_ints=list(range(d.rank - inner)))
+    n = d.scalar(math.prod(d.sizes[d.rank - inner :]))
+    x_hat = full(op.Mul(full(op.Sub(input, mean)), rstd))
+    empty: Any = None
+    if output_mask[0]:
+        grad_x_hat = full(op.Mul(grad_output, weight))
+        a = full(op.Mul(grad_x_hat, n))
+        b = stats(op.ReduceSum(grad_x_hat, inner_axes, keepdims=1))
+        c2 = stats(op.ReduceSum(full(op.Mul(grad_x_hat, x_hat)), inner_axes, keepdims=1))
+        c3 = full(op.Mul(x_hat, c2))
+        grad_input = full(op.Mul(stats(op.Div(rstd, n)), full(op.Sub(full(op.Sub(a, b)), c3))))
+    else:
+        grad_input = empty = _empty(d)
+    if output_mask[1]:
+        grad_weight = params(op.ReduceSum(full(op.Mul(grad_output, x_hat)), outer_axes, keepdims=0))
+    else:
+        grad_weight = empty if empty is not None else _empty(d)
+    if output_mask[2]:
+        grad_bias = params(op.ReduceSum(grad_output, outer_axes, keepdims=0))
+    else:
+        grad_bias = empty if empty is not None else _empty(d)
+    return grad_input, grad_weight, grad_bias
+
+
+def _empty(d: _Declared) -> Any:
+    """A gradient not asked for: an empty tensor of the input's type, which nothing reads."""
+    import numpy as np
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    constant: Any = ir.tensor(np.zeros(0, dtype=d.dtype.numpy()))
+    return op.Constant(value=constant)
+
+
 #: our operators and their ONNX translations (`lowering.registry_for`)
 TRANSLATIONS: dict[Any, Any] = {
     torch.ops.ort_autopatch.batch_norm_training.default: lower_batch_norm_training,
     torch.ops.ort_autopatch.batch_norm_training_backward.default: (
         lower_batch_norm_training_backward
     ),
+    torch.ops.ort_autopatch.layer_norm_backward.default: lower_layer_norm_backward,
 }

@@ -6,6 +6,8 @@ eager's numbers at every rank the module takes, in float32 and float64."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +24,16 @@ DTYPES = [torch.float32, torch.float64]
 
 def _targets(gm: torch.fx.GraphModule) -> list[object]:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _gradients_equal(got: Sequence[Any], expected: Sequence[Any], mask: Sequence[bool]) -> None:
+    """Each gradient asked for equals ATen's, in its type and shape; the others are None."""
+    for asked, a, e in zip(mask, got, expected, strict=True):
+        if not asked:
+            assert a is None
+            continue
+        assert a is not None and a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -42,12 +54,7 @@ def test_the_backward_equals_atens(
     args = (grad, x, weight, mean, var, save_mean, save_rstd, True, 1e-5, list(mask))
     expected = aten.native_batch_norm_backward(*args)
     got = norms.native_batch_norm_backward(*args)
-    for asked, a, e in zip(mask, got, expected, strict=True):
-        if not asked:
-            assert a is None
-            continue
-        assert a is not None and a.dtype == e.dtype and a.shape == e.shape
-        torch.testing.assert_close(a, e)
+    _gradients_equal(got, expected, mask)
 
 
 def test_the_operators_apply_to_whole_float_norms_of_static_sizes() -> None:
@@ -58,6 +65,30 @@ def test_the_operators_apply_to_whole_float_norms_of_static_sizes() -> None:
     assert norms.batch_norm_operators(x.bfloat16(), c, c) is None  # computed in float32
     assert norms.batch_norm_operators(x, c.double()) is None
     assert norms.batch_norm_operators(torch.randn(3), c) is None
+
+
+def _three_steps_like_eager(
+    model: nn.Module, eager: nn.Module, plain: PlainCall, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """Three calls through ORT and eagerly, each followed by a backward of one weighted sum:
+    outputs, the input's gradient, every parameter's gradient (None where eager's is) and
+    every buffer equal eager's. The last step's gradients are left in place."""
+    for step in range(3):
+        for p in [*model.parameters(), *eager.parameters()]:
+            p.grad = None
+        x = torch.randn(shape, dtype=dtype) * 3 + 1
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, expected = plain(ours), eager(theirs)
+        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
+        torch.testing.assert_close(out, expected)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        for (name, b), e in zip(model.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(b, e, msg=name)
 
 
 class _Normed(nn.Module):
@@ -94,21 +125,7 @@ def test_a_batch_norm_trains_through_one_operator_each_way_to_eagers_numbers(
     backward = _targets(plain.captured.backward)
     assert backward.count(OURS.batch_norm_training_backward.default) == 1
     assert aten.rsqrt.default not in _targets(plain.captured.forward) + backward
-    for step in range(3):
-        x = torch.randn(shape, dtype=dtype) * 3 + 1
-        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out, expected = plain(ours), eager(theirs)
-        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
-        torch.testing.assert_close(out, expected)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
-        (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        torch.testing.assert_close(ours.grad, theirs.grad)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-            p.grad = q.grad = None
-        for (name, b), e in zip(model.named_buffers(), eager.buffers(), strict=True):
-            torch.testing.assert_close(b, e, msg=name)
+    _three_steps_like_eager(model, eager, plain, shape, dtype)
     assert int(model.norm.num_batches_tracked) == 3
 
 
@@ -148,12 +165,7 @@ def test_the_layer_norm_backward_equals_atens(
     args = (grad, x, list(normalized), mean, rstd, weight, bias, list(mask))
     expected = aten.native_layer_norm_backward(*args)
     got = norms.native_layer_norm_backward(*args)
-    for asked, a, e in zip(mask, got, expected, strict=True):
-        if not asked:
-            assert a is None
-            continue
-        assert a is not None and a.dtype == e.dtype and a.shape == e.shape
-        torch.testing.assert_close(a, e)
+    _gradients_equal(got, expected, mask)
 
 
 class _LayerNormed(nn.Module):
@@ -187,17 +199,5 @@ def test_a_layer_norm_trains_through_one_backward_operator_to_eagers_numbers(
     assert plain.captured.backward is not None
     backward = _targets(plain.captured.backward)
     assert backward.count(OURS.layer_norm_backward.default) == 1
-    for step in range(3):
-        x = torch.randn(shape, dtype=dtype) * 3 + 1
-        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out, expected = plain(ours), eager(theirs)
-        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
-        torch.testing.assert_close(out, expected)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
-        (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        torch.testing.assert_close(ours.grad, theirs.grad)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-            assert (p.grad is None) == frozen or name == "scale", name
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-            p.grad = q.grad = None
+    _three_steps_like_eager(model, eager, plain, shape, dtype)
+    assert all(p.grad is None for p in model.norm.parameters()) == frozen

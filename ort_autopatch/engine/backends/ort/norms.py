@@ -63,17 +63,35 @@ def batch_norm_training(
     mean and inverse deviation (C,), and the new running mean and variance (the variance's
     update takes the batch variance times `correction`, N / (N - 1) over N values a
     channel)."""
-    dims = _reduced(input.dim())
     shape = _channel_shape(input.dim())
-    mean = input.mean(dims, keepdim=True)
-    centred = input - mean
-    variance = (centred * centred).mean(dims, keepdim=True)
-    rstd = torch.rsqrt(variance + eps)
+    mean, centred, variance, rstd = _batch_statistics(input, eps)
     output = centred * (rstd * weight.reshape(shape)) + bias.reshape(shape)
-    save_mean, save_rstd = mean.flatten(), rstd.flatten()
-    new_mean = momentum * save_mean + (1 - momentum) * running_mean
+    new_mean, new_var = _running(mean, variance, running_mean, running_var, momentum, correction)
+    return output, mean.flatten(), rstd.flatten(), new_mean, new_var
+
+
+def _batch_statistics(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """Per channel (shaped to broadcast): the mean, the centred input, the variance and the
+    inverse deviation, in four passes over the input (mean, centre, square, mean)."""
+    dims = _reduced(x.dim())
+    mean = x.mean(dims, keepdim=True)
+    centred = x - mean
+    variance = (centred * centred).mean(dims, keepdim=True)
+    return mean, centred, variance, torch.rsqrt(variance + eps)
+
+
+def _running(
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
+    correction: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running statistics' update, from the batch's (the variance times `correction`)."""
+    new_mean = momentum * mean.flatten() + (1 - momentum) * running_mean
     new_var = momentum * variance.flatten() * correction + (1 - momentum) * running_var
-    return output, save_mean, save_rstd, new_mean, new_var
+    return new_mean, new_var
 
 
 @batch_norm_training.register_fake
@@ -178,23 +196,17 @@ def decomposed_batch_norm(
             input, weight, bias, running_mean, running_var, training, momentum, eps
         )
         return result
-    dims = [0, *range(2, input.dim())]
     computation = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
-    x = input.to(computation)
-    mean = x.mean(dims, keepdim=True)
-    centred = x - mean
-    variance = (centred * centred).mean(dims, keepdim=True)
-    rstd = torch.rsqrt(variance + eps)
+    mean, centred, variance, rstd = _batch_statistics(input.to(computation), eps)
     scale = rstd if weight is None else rstd * weight.flatten().reshape(mean.shape)
     output = centred * scale
     if bias is not None:
         output = output + bias.flatten().reshape(mean.shape)
-    save_mean, save_rstd = mean.flatten(), rstd.flatten()
     count = input.numel() / input.shape[1]
-    new_mean = momentum * save_mean + (1 - momentum) * running_mean
-    new_var = momentum * variance.flatten() * (count / (count - 1)) + (1 - momentum) * running_var
+    correction = count / (count - 1)
+    new_mean, new_var = _running(mean, variance, running_mean, running_var, momentum, correction)
     # the saved statistics stay in the computation's precision, as ATen's kernel keeps them
-    return output.to(input.dtype), save_mean, save_rstd, new_mean, new_var
+    return output.to(input.dtype), mean.flatten(), rstd.flatten(), new_mean, new_var
 
 
 def native_batch_norm_legit_functional(

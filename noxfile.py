@@ -240,6 +240,7 @@ def tests_plain_torch214(session: nox.Session) -> None:
 TORCH_215_TESTS = (
     "tests/test_engine_parity.py",
     "tests/test_plain_decompositions.py",
+    "tests/test_plain_norms.py",
     "tests/test_plain_backend.py",
     "tests/test_onnx_passes.py",
     "tests/test_stages.py",

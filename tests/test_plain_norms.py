@@ -6,7 +6,7 @@ eager's numbers at every rank the module takes, in float32 and float64."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -68,15 +68,21 @@ def test_the_operators_apply_to_whole_float_norms_of_static_sizes() -> None:
 
 
 def _three_steps_like_eager(
-    model: nn.Module, eager: nn.Module, plain: PlainCall, shape: tuple[int, ...], dtype: torch.dtype
+    model: nn.Module,
+    eager: nn.Module,
+    plain: PlainCall,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    laid: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
 ) -> None:
-    """Three calls through ORT and eagerly, each followed by a backward of one weighted sum:
-    outputs, the input's gradient, every parameter's gradient (None where eager's is) and
-    every buffer equal eager's. The last step's gradients are left in place."""
+    """Three calls through ORT and eagerly (inputs drawn at `shape`, then `laid` out),
+    each followed by a backward of one weighted sum: outputs, the input's gradient, every
+    parameter's gradient (None where eager's is) and every buffer equal eager's. The last
+    step's gradients are left in place."""
     for step in range(3):
         for p in [*model.parameters(), *eager.parameters()]:
             p.grad = None
-        x = torch.randn(shape, dtype=dtype) * 3 + 1
+        x = laid(torch.randn(shape, dtype=dtype) * 3 + 1)
         ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
         out, expected = plain(ours), eager(theirs)
         assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
@@ -201,3 +207,31 @@ def test_a_layer_norm_trains_through_one_backward_operator_to_eagers_numbers(
     assert backward.count(OURS.layer_norm_backward.default) == 1
     _three_steps_like_eager(model, eager, plain, shape, dtype)
     assert all(p.grad is None for p in model.norm.parameters()) == frozen
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+def test_a_channels_last_batch_norm_with_its_own_momentum_trains_to_eagers_numbers() -> None:
+    """An input laid out channels last (as `model.to(memory_format=torch.channels_last)`
+    feeds a CNN's BatchNorms) and a momentum other than the default."""
+    torch.manual_seed(0)
+    model = _Normed(4, torch.float32, momentum=0.5)
+    eager = copy.deepcopy(model)
+    channels_last = lambda x: x.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    shape = (2, 4, 5, 3)
+    plain = PlainCall(model, channels_last(torch.randn(shape)).requires_grad_())
+    assert _targets(plain.captured.forward).count(OURS.batch_norm_training.default) == 1
+    _three_steps_like_eager(model, eager, plain, shape, torch.float32, channels_last)
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+def test_a_layer_norm_of_a_transposed_input_trains_to_eagers_numbers() -> None:
+    """A LayerNorm whose input is not contiguous (a transposed view, as sequence-first
+    models pass it): the operator reads it laid out contiguously."""
+    torch.manual_seed(0)
+    model = _LayerNormed((8,), torch.float32, frozen=False)
+    eager = copy.deepcopy(model)
+    transposed = lambda x: x.transpose(0, 1)  # noqa: E731
+    plain = PlainCall(model, transposed(torch.randn(3, 2, 8)).requires_grad_())
+    assert plain.captured.backward is not None
+    assert _targets(plain.captured.backward).count(OURS.layer_norm_backward.default) == 1
+    _three_steps_like_eager(model, eager, plain, (3, 2, 8), torch.float32, transposed)

@@ -406,7 +406,7 @@ def leaky_relu_backward(
 
 
 OURS: dict[Any, Callable[..., Any]] = {
-    aten._native_batch_norm_legit_functional.default: (norms.native_batch_norm_legit_functional),
+    aten._native_batch_norm_legit_functional.default: norms.native_batch_norm_legit_functional,
     aten.native_batch_norm_backward.default: norms.native_batch_norm_backward,
     aten.native_layer_norm.default: norms.native_layer_norm,
     aten.native_layer_norm_backward.default: norms.native_layer_norm_backward,

@@ -156,23 +156,23 @@ def _(
     )
 
 
-def _values_per_channel(input: torch.Tensor) -> int | None:
-    """N, the values a channel's statistics are over; None where a size is symbolic."""
-    sizes = [input.shape[0], *input.shape[2:]]
-    if not all(type(size) is int for size in sizes):
-        return None
-    return math.prod(sizes)
+def _static_and_whole(input: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether our operators can take these tensors: a float32 or float64 input of static,
+    non-zero sizes, and every other tensor given and of its type. (Half precision computes in
+    float32, as ATen does; symbolic sizes would make N / (N - 1) and 1 / N expressions: the
+    decompositions take both.)"""
+    if input.dtype not in _TYPES or not all(type(s) is int and s > 0 for s in input.shape):
+        return False
+    return all(other is not None and other.dtype == input.dtype for other in others)
 
 
 def batch_norm_operators(input: torch.Tensor, *others: torch.Tensor | None) -> int | None:
-    """N (`_values_per_channel`) where our operators take this BatchNorm: a float32 or
-    float64 input of rank 2 or more, of static sizes (channels too), whose other tensors are
-    all given and of its type; else None (the decompositions)."""
-    if input.dtype not in _TYPES or input.dim() < 2 or type(input.shape[1]) is not int:
+    """N, the values each channel's statistics are over, where our operators take this
+    BatchNorm (an input of rank 2 or more, `_static_and_whole`); else None (the
+    decompositions)."""
+    if input.dim() < 2 or not _static_and_whole(input, *others):
         return None
-    if any(other is None or other.dtype != input.dtype for other in others):
-        return None
-    return _values_per_channel(input)
+    return math.prod([input.shape[0], *input.shape[2:]])
 
 
 def decomposed_batch_norm(
@@ -287,12 +287,12 @@ def layer_norm_backward(
     rstd: torch.Tensor,
     weight: torch.Tensor,
     inner: int,
-    output_mask: list[bool],
+    asked: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of the input, weight and bias of a LayerNorm over the last `inner`
     dimensions, from its saved mean and inverse deviation (shaped as the input, with those
     dimensions 1): torch's decomposition of `native_layer_norm_backward`, its terms in its
-    order. A gradient `output_mask` does not ask for is an empty tensor."""
+    order. The weight's and the bias's only where `asked` (two flags); else empty."""
     rank = input.dim()
     inner_dims, outer_dims = list(range(rank - inner, rank)), list(range(rank - inner))
     n = math.prod(input.shape[rank - inner :])
@@ -301,9 +301,9 @@ def layer_norm_backward(
     a = grad_x_hat * n
     b = grad_x_hat.sum(inner_dims, keepdim=True)
     c3 = x_hat * (grad_x_hat * x_hat).sum(inner_dims, keepdim=True)
-    grad_input = (rstd / n) * (a - b - c3) if output_mask[0] else input.new_empty(0)
-    grad_weight = (grad_output * x_hat).sum(outer_dims) if output_mask[1] else input.new_empty(0)
-    grad_bias = grad_output.sum(outer_dims) if output_mask[2] else input.new_empty(0)
+    grad_input = (rstd / n) * (a - b - c3)
+    grad_weight = (grad_output * x_hat).sum(outer_dims) if asked[0] else input.new_empty(0)
+    grad_bias = grad_output.sum(outer_dims) if asked[1] else input.new_empty(0)
     return grad_input, grad_weight, grad_bias
 
 
@@ -315,12 +315,12 @@ def _(
     rstd: torch.Tensor,
     weight: torch.Tensor,
     inner: int,
-    output_mask: list[bool],
+    asked: list[bool],
 ) -> tuple[torch.Tensor, ...]:
     return (
-        input.new_empty(input.shape if output_mask[0] else (0,)),
-        weight.new_empty(weight.shape if output_mask[1] else (0,)),
-        weight.new_empty(weight.shape if output_mask[2] else (0,)),
+        input.new_empty(input.shape),
+        weight.new_empty(weight.shape if asked[0] else (0,)),
+        weight.new_empty(weight.shape if asked[1] else (0,)),
     )
 
 
@@ -359,16 +359,11 @@ def native_layer_norm_backward(
     gradient asked for), else torch's decomposition. Gradients not asked for are None, as
     the decomposition returns them, and are not computed."""
     inner = len(normalized_shape)
-    whole = (
-        input.dtype in _TYPES
+    if not (
+        output_mask[0]
         and 0 < inner < input.dim()
-        and all(type(size) is int and size > 0 for size in input.shape)
-        and all(
-            t is not None and t.dtype == input.dtype for t in (grad_out, mean, rstd, weight, bias)
-        )
-        and output_mask[0]
-    )
-    if not whole:
+        and _static_and_whole(input, grad_out, mean, rstd, weight, bias)
+    ):
         from torch._decomp import decompositions as torch_decompositions
 
         return torch_decompositions.native_layer_norm_backward(
@@ -378,7 +373,7 @@ def native_layer_norm_backward(
     while mean.dim() < input.dim():  # as the decomposition takes them (`_unsqueeze_to_dim`)
         mean, rstd = mean.unsqueeze(-1), rstd.unsqueeze(-1)
     grad_input, grad_weight, grad_bias = layer_norm_backward(
-        grad_out.contiguous(), input.contiguous(), mean, rstd, weight, inner, list(output_mask)
+        grad_out.contiguous(), input.contiguous(), mean, rstd, weight, inner, list(output_mask[1:])
     )
     return (
         grad_input,
@@ -505,7 +500,7 @@ def lower_layer_norm_backward(
     rstd: Any,
     weight: Any,
     inner: int,
-    output_mask: Sequence[bool],
+    asked: Sequence[bool],
 ) -> Any:
     from onnxscript import opset18 as op
 
@@ -518,24 +513,18 @@ def lower_layer_norm_backward(
     outer_axes: Any = op.Constant(value_ints=list(range(d.rank - inner)))
     n = d.scalar(math.prod(d.sizes[d.rank - inner :]))
     x_hat = full(op.Mul(full(op.Sub(input, mean)), rstd))
-    empty: Any = None
-    if output_mask[0]:
-        grad_x_hat = full(op.Mul(grad_output, weight))
-        a = full(op.Mul(grad_x_hat, n))
-        b = stats(op.ReduceSum(grad_x_hat, inner_axes, keepdims=1))
-        c2 = stats(op.ReduceSum(full(op.Mul(grad_x_hat, x_hat)), inner_axes, keepdims=1))
-        c3 = full(op.Mul(x_hat, c2))
-        grad_input = full(op.Mul(stats(op.Div(rstd, n)), full(op.Sub(full(op.Sub(a, b)), c3))))
-    else:
-        grad_input = empty = _empty(d)
-    if output_mask[1]:
-        grad_weight = params(op.ReduceSum(full(op.Mul(grad_output, x_hat)), outer_axes, keepdims=0))
-    else:
-        grad_weight = empty if empty is not None else _empty(d)
-    if output_mask[2]:
-        grad_bias = params(op.ReduceSum(grad_output, outer_axes, keepdims=0))
-    else:
-        grad_bias = empty if empty is not None else _empty(d)
+    grad_x_hat = full(op.Mul(grad_output, weight))
+    a = full(op.Mul(grad_x_hat, n))
+    b = stats(op.ReduceSum(grad_x_hat, inner_axes, keepdims=1))
+    c2 = stats(op.ReduceSum(full(op.Mul(grad_x_hat, x_hat)), inner_axes, keepdims=1))
+    c3 = full(op.Mul(x_hat, c2))
+    grad_input = full(op.Mul(stats(op.Div(rstd, n)), full(op.Sub(full(op.Sub(a, b)), c3))))
+    grad_weight = (
+        params(op.ReduceSum(full(op.Mul(grad_output, x_hat)), outer_axes, keepdims=0))
+        if asked[0]
+        else _empty(d)
+    )
+    grad_bias = params(op.ReduceSum(grad_output, outer_axes, keepdims=0)) if asked[1] else _empty(d)
     return grad_input, grad_weight, grad_bias
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
+from ort_autopatch.engine.backends.ort.declared import Declared
 
 aten = torch.ops.aten
 
@@ -382,46 +383,7 @@ def native_layer_norm_backward(
     )
 
 
-class _Declared:
-    """Types and shapes for the values a translation makes, as the translator gives every FX
-    node's (`shaped`: the input's type, a given shape). A backward cut into stages (`stages`)
-    declares the values crossing stages with theirs, and left whole the graphs where one had
-    none (a small CNN's whole backward, before these)."""
-
-    def __init__(self, input: Any) -> None:
-        shape = input.shape
-        if shape is None or not all(isinstance(size, int) for size in shape):
-            raise ValueError(f"the sizes of {input!r} are unknown")
-        self.dtype, self.sizes, self.rank = input.dtype, [int(s) for s in shape], len(shape)
-
-    def shaped(self, sizes: Sequence[int]) -> Callable[[Any], Any]:
-        """Declares a value (and returns it) of the input's type and `sizes`."""
-        from onnxscript import ir
-
-        shape = ir.Shape(list(sizes))
-
-        def given(value: Any) -> Any:
-            if value.dtype is None:
-                value.dtype = self.dtype
-            if value.shape is None:
-                value.shape = shape
-            return value
-
-        return given
-
-    def scalar(self, value: float) -> Any:
-        """`value` as a constant of the input's type, rounded once from Python's double (a
-        float constant cast to float64 would carry float32's rounding: eps came out
-        1e-5 + 2.5e-13)."""
-        import numpy as np
-        from onnxscript import ir
-        from onnxscript import opset18 as op
-
-        constant: Any = ir.tensor(np.array(value, dtype=self.dtype.numpy()))
-        return op.Constant(value=constant)
-
-
-def _per_channel(d: _Declared) -> tuple[Callable[[Any], Any], ...]:
+def _per_channel(d: Declared) -> tuple[Callable[[Any], Any], ...]:
     """The declarations of a BatchNorm's values: the input's shape, (C,), (1, C, 1, ...)."""
     channels = d.sizes[1]
     broadcast = [1, channels] + [1] * (d.rank - 2)
@@ -440,7 +402,7 @@ def lower_batch_norm_training(
 ) -> Any:
     from onnxscript import opset18 as op
 
-    d = _Declared(input)
+    d = Declared(input)
     full, channel, wide = _per_channel(d)
     axes: Any = op.Constant(value_ints=_reduced(d.rank))
     shape: Any = op.Constant(value_ints=_channel_shape(d.rank))
@@ -476,7 +438,7 @@ def lower_batch_norm_training_backward(
 ) -> Any:
     from onnxscript import opset18 as op
 
-    d = _Declared(input)
+    d = Declared(input)
     full, channel, wide = _per_channel(d)
     axes: Any = op.Constant(value_ints=_reduced(d.rank))
     shape: Any = op.Constant(value_ints=_channel_shape(d.rank))
@@ -504,7 +466,7 @@ def lower_layer_norm_backward(
 ) -> Any:
     from onnxscript import opset18 as op
 
-    d = _Declared(input)
+    d = Declared(input)
     full = d.shaped(d.sizes)
     outer = d.sizes[: d.rank - inner]
     stats = d.shaped(outer + [1] * inner)
@@ -522,20 +484,10 @@ def lower_layer_norm_backward(
     grad_weight = (
         params(op.ReduceSum(full(op.Mul(grad_output, x_hat)), outer_axes, keepdims=0))
         if asked[0]
-        else _empty(d)
+        else d.empty()
     )
-    grad_bias = params(op.ReduceSum(grad_output, outer_axes, keepdims=0)) if asked[1] else _empty(d)
+    grad_bias = params(op.ReduceSum(grad_output, outer_axes, keepdims=0)) if asked[1] else d.empty()
     return grad_input, grad_weight, grad_bias
-
-
-def _empty(d: _Declared) -> Any:
-    """A gradient not asked for: an empty tensor of the input's type, which nothing reads."""
-    import numpy as np
-    from onnxscript import ir
-    from onnxscript import opset18 as op
-
-    constant: Any = ir.tensor(np.zeros(0, dtype=d.dtype.numpy()))
-    return op.Constant(value=constant)
 
 
 #: our operators and their ONNX translations (`lowering.registry_for`)

@@ -3,7 +3,10 @@ convolution's backward and the pools (average, adaptive average, max), at one to
 dimensions, batched or not, with static or symbolic sizes. Why each is ours and not torch's
 or torchlib's is said in `decompositions`' docstring; the shared tools are a transposed
 convolution whose output padding may be symbolic (`_transposed`) and each window's sum as a
-convolution with a kernel of ones (`_window_sums`).
+convolution with a kernel of ones (`_window_sums`). Where a convolution's backward can be one
+operator of ours, `convolutions` makes it so and translates it to the nodes these make; the
+public helpers here (`pointwise`, `convolves_patches`, `contracts_per_image`, `unreached`)
+are the choices the two share.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
 aten = torch.ops.aten
 
 
-def _spatial(values: Sequence[int], dims: int) -> list[int]:
+def spatial(values: Sequence[int], dims: int) -> list[int]:
     return list(values) * dims if len(values) == 1 else list(values)
 
 
@@ -45,7 +48,7 @@ def convolution_backward(
     one group per convolution group; trailing positions no window reached are cut off.
     """
     dims = input.dim() - 2
-    stride, padding, dilation = (_spatial(v, dims) for v in (stride, padding, dilation))
+    stride, padding, dilation = (spatial(v, dims) for v in (stride, padding, dilation))
     kernel = list(weight.shape[2:])
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
@@ -54,16 +57,7 @@ def convolution_backward(
                 grad_output, weight, None, stride, padding, dilation, False, [0] * dims, groups
             )
         else:
-            extra = [
-                input.shape[2 + d]
-                - (
-                    (grad_output.shape[2 + d] - 1) * stride[d]
-                    - 2 * padding[d]
-                    + dilation[d] * (kernel[d] - 1)
-                    + 1
-                )
-                for d in range(dims)
-            ]
+            extra = unreached(input, grad_output, kernel, stride, padding, dilation)
             grad_input = _transposed(grad_output, weight, stride, padding, dilation, groups, extra)
     if output_mask[1]:
         # transposed: the weight's gradient of the adjoint, with the two activations swapped
@@ -72,6 +66,29 @@ def convolution_backward(
     if output_mask[2]:
         grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
     return grad_input, grad_weight, grad_bias
+
+
+def unreached(
+    input: torch.Tensor,
+    output: torch.Tensor,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> list[Any]:
+    """Per spatial dimension, how many trailing positions of a convolution's input its
+    windows never read (the `output_padding` of the transposed convolution that is its
+    input's gradient)."""
+    return [
+        input.shape[2 + d]
+        - (
+            (output.shape[2 + d] - 1) * stride[d]
+            - 2 * padding[d]
+            + dilation[d] * (kernel[d] - 1)
+            + 1
+        )
+        for d in range(len(kernel))
+    ]
 
 
 def _transposed(
@@ -131,7 +148,7 @@ def _weight_gradient(
     out_channels = target.shape[1]
     outer = list(target.shape[2:])
     narrow = type(channels) is int and channels < _NARROW_CHANNELS
-    if groups == 1 and _pointwise(kernel, stride, padding):
+    if groups == 1 and pointwise(kernel, stride, padding):
         # the one patch is the source itself, channels first, which the product takes
         # transposed for free: taken channels last, every 1x1 layer's input was copied whole
         # (a Transpose of (2, 256, 56, 56) took 2.9 ms in ResNet-50's step) and its gradient
@@ -198,7 +215,7 @@ def _weight_gradient(
     return grad.permute(0, dims + 1, *range(1, dims + 1)).contiguous()
 
 
-def _pointwise(kernel: list[int], stride: list[int], padding: list[int]) -> bool:
+def pointwise(kernel: list[int], stride: list[int], padding: list[int]) -> bool:
     """A 1x1 convolution reading every position: its patch is its input."""
     return all(k == 1 for k in kernel) and all(s == 1 for s in stride) and not any(padding)
 
@@ -260,11 +277,17 @@ def _contracted(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     (m, batch x positions) (two Transposes, a fifth of a small CNN's backward)."""
     batch, m, positions = rows.shape
     n = cols.shape[1]
-    if not (type(positions) is int and type(n) is int and n > positions):
+    if contracts_per_image(n, positions):
         return aten.bmm(rows, cols.transpose(1, 2)).sum(0)
     rows = rows.permute(1, 0, 2).reshape(m, batch * positions)
     cols = cols.permute(1, 0, 2).reshape(n, batch * positions)
     return aten.mm(rows, cols.t())
+
+
+def contracts_per_image(n: Any, positions: Any) -> bool:
+    """Whether `_contracted` takes one product per image (summed), not one product over
+    batch and positions together: products (batch, m, n) no larger than the operands."""
+    return not (type(positions) is int and type(n) is int and n > positions)
 
 
 def _patches_by_convolution(
@@ -277,27 +300,51 @@ def _patches_by_convolution(
 ) -> torch.Tensor | None:
     """The patches of a float32 source of static sizes as one grouped convolution with one-hot
     kernels (batch, channels x kernel positions, *outer), channel-major, or None where the
-    slices are faster (`_convolved_patches_pay`). Multiplying by one and adding zeros is
-    exact."""
+    slices are faster (`convolves_patches`). Multiplying by one and adding zeros is exact."""
+    if not convolves_patches(source, outer, kernel, stride, padding, dilation):
+        return None
+    zeros = [0] * len(kernel)
+    weight = one_hot_kernels(source.shape[1], kernel, source.dtype, source.device)
+    return aten.convolution(
+        source, weight, None, stride, padding, dilation, False, zeros, source.shape[1]
+    )
+
+
+def one_hot_kernels(
+    channels: int, kernel: list[int], dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """(channels x kernel positions, 1, *kernel): per channel, one kernel per position, one
+    at that position and zeros elsewhere (`_patches_by_convolution`'s weight)."""
+    count = math.prod(kernel)
+    one_hot = torch.eye(count, dtype=dtype, device=device)
+    return one_hot.reshape(count, 1, *kernel).repeat(channels, *[1] * (len(kernel) + 1))
+
+
+def convolves_patches(
+    source: torch.Tensor,
+    outer: list[Any],
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> bool:
+    """Whether `_weight_gradient` takes one group's patches from one convolution with one-hot
+    kernels: a float32 source of static sizes, a kernel of more than one position, windows
+    reaching exactly the `outer` positions, and the convolution faster than the slices
+    (`_convolved_patches_pay`)."""
     count, positions = math.prod(kernel), math.prod(outer)
     if source.dtype != torch.float32 or count == 1:
-        return None
+        return False
     sizes = list(source.shape)
     if not all(type(size) is int for size in [*sizes, *outer]):
-        return None
-    channels = sizes[1]
-    if not _convolved_patches_pay(channels, count, positions, stride):
-        return None
+        return False
+    if not _convolved_patches_pay(sizes[1], count, positions, stride):
+        return False
     reached = [
         (sizes[2 + d] + 2 * padding[d] - dilation[d] * (kernel[d] - 1) - 1) // stride[d] + 1
         for d in range(len(kernel))
     ]
-    if reached != outer:
-        return None
-    one_hot = torch.eye(count, dtype=source.dtype, device=source.device)
-    weight = one_hot.reshape(count, 1, *kernel).repeat(channels, *[1] * (len(kernel) + 1))
-    zeros = [0] * len(kernel)
-    return aten.convolution(source, weight, None, stride, padding, dilation, False, zeros, channels)
+    return reached == outer
 
 
 def _convolved_patches_pay(channels: int, count: int, positions: int, stride: list[int]) -> bool:
@@ -350,9 +397,9 @@ def _avg_pool_backward(
     divisor. The divisor is ATen's: the override, else the window's size, clipped to the
     padded input where windows hang off it (ceil mode) and to the input itself without
     `count_include_pad`; such divisors are counted by the same windows over ones."""
-    kernel = _spatial(kernel_size, dims)
-    stride = _spatial(stride, dims) if stride else kernel
-    padding = _spatial(padding, dims)
+    kernel = spatial(kernel_size, dims)
+    stride = spatial(stride, dims) if stride else kernel
+    padding = spatial(padding, dims)
     batched = input.dim() == dims + 2
     x = input if batched else input.unsqueeze(0)
     g = grad_output if batched else grad_output.unsqueeze(0)
@@ -408,9 +455,9 @@ def _avg_pool_divided(
     check). Without an override the exporter's AveragePool stays."""
     if not divisor_override:
         return NotImplemented
-    kernel = _spatial(kernel_size, dims)
-    stride = _spatial(stride, dims) if stride else kernel
-    padding = _spatial(padding, dims)
+    kernel = spatial(kernel_size, dims)
+    stride = spatial(stride, dims) if stride else kernel
+    padding = spatial(padding, dims)
     batched = input.dim() == dims + 2
     x = input if batched else input.unsqueeze(0)
     n, c, sizes = x.shape[0], x.shape[1], list(x.shape[2:])
@@ -587,9 +634,9 @@ def _tiles(
 ) -> list[int] | None:
     """The kernel, when a 2-d max pool's windows tile the input exactly (stride = kernel, no
     padding or dilation, sizes divisible: `MaxPool2d(2)`); else None."""
-    k = _spatial(kernel, 2)
-    s = _spatial(stride, 2) if stride else k
-    if s != k or any(_spatial(padding, 2)) or any(d != 1 for d in _spatial(dilation, 2)):
+    k = spatial(kernel, 2)
+    s = spatial(stride, 2) if stride else k
+    if s != k or any(spatial(padding, 2)) or any(d != 1 for d in spatial(dilation, 2)):
         return None
     if x.dim() != 4 or x.shape[2] % k[0] or x.shape[3] % k[1]:
         return None

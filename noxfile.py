@@ -241,6 +241,7 @@ TORCH_215_TESTS = (
     "tests/test_engine_parity.py",
     "tests/test_plain_decompositions.py",
     "tests/test_plain_norms.py",
+    "tests/test_plain_convolutions.py",
     "tests/test_plain_backend.py",
     "tests/test_onnx_passes.py",
     "tests/test_stages.py",

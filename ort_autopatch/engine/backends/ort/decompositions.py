@@ -17,11 +17,13 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - `nll_loss_forward`: torchlib's translation returns a total weight of 1 where ATen returns
   the number of counted targets (the backward divides by it): with the mean reduction every
   gradient came out batch-size times too large, again without an error. Decomposed.
-- `convolution_backward`: torch has no decomposition; ours below covers every stride,
+- `convolution_backward`: torch has no decomposition; ours (`windows`) covers every stride,
   padding, dilation, groups and transposed convolution (1-d to 3-d). The weight's gradient is
   a matrix product with the input's patches (for one group, where it pays, taken by one
   convolution with constant one-hot kernels), not a convolution with the gradient as its
-  kernel (which ORT ran slowly).
+  kernel (which ORT ran slowly). Where its ONNX nodes can be written directly (one group's
+  weight gradient from the input itself or the one-hot convolution, static sizes), one
+  operator of ours (`convolutions`: a trace records one node, not five to fifteen).
 - `max_pool2d_with_indices` and its backward, for pools whose windows tile the input: an
   elementwise maximum over the windows' slots (square windows' from one `SpaceToDepth`, an
   operator of ours, `windows.window_slots`; others' strided slices), with no indices (ORT's
@@ -84,7 +86,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import norms, windows
+from ort_autopatch.engine.backends.ort import convolutions, norms, windows
 
 aten = torch.ops.aten
 
@@ -419,7 +421,7 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.slice_backward.default: slice_backward,
     aten.diagonal_backward.default: diagonal_backward,
     aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
-    aten.convolution_backward.default: windows.convolution_backward,
+    aten.convolution_backward.default: convolutions.decomposed_convolution_backward,
     aten.avg_pool2d_backward.default: windows.avg_pool2d_backward,
     aten.avg_pool3d_backward.default: windows.avg_pool3d_backward,
     aten.avg_pool2d.default: windows.avg_pool2d,

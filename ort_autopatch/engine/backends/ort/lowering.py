@@ -185,10 +185,16 @@ OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
 
 def our_translations() -> dict[Any, Any]:
     """Our own operators and their ONNX translations, from the modules that define them:
-    `recurrent`'s scans, `windows`' SpaceToDepth and `norms`' BatchNorm and LayerNorm."""
-    from ort_autopatch.engine.backends.ort import norms, recurrent, windows
+    `recurrent`'s scans, `windows`' SpaceToDepth, `norms`' BatchNorm and LayerNorm and
+    `convolutions`' backward."""
+    from ort_autopatch.engine.backends.ort import convolutions, norms, recurrent, windows
 
-    return {**recurrent.TRANSLATIONS, **windows.TRANSLATIONS, **norms.TRANSLATIONS}
+    return {
+        **recurrent.TRANSLATIONS,
+        **windows.TRANSLATIONS,
+        **norms.TRANSLATIONS,
+        **convolutions.TRANSLATIONS,
+    }
 
 
 _lock = threading.Lock()

@@ -136,6 +136,24 @@ def _lowered_where(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return where
 
 
+def test_an_operator_of_ours_counts_as_the_onnx_nodes_it_adds_to_the_lowering() -> None:
+    """ResNet-50's backward (259 ATen operators and 103 of ours: its convolutions' and
+    BatchNorms' backwards one node each) is large enough to be lowered beside forward; a
+    transformer layer's is not."""
+    from ort_autopatch.engine.backends.ort import offload
+
+    assert offload.lowering_work(["aten"] * 259 + ["ort_autopatch"] * 103) >= offload.ASIDE_WORK
+    assert offload.lowering_work(["aten"] * 362) < offload.ASIDE_WORK
+    torch.manual_seed(0)
+    module, args = _transformer()
+    layer = _captured(module, *args)
+    assert layer.backward is not None
+    assert offload._graph_work(layer.backward) < offload.ASIDE_WORK
+    assert offload._encoded_work(offload.encode(layer.backward)) == offload._graph_work(
+        layer.backward
+    )
+
+
 @pytest.mark.parametrize("grandchild", ["lowers", "dies"])
 def test_a_large_backward_is_lowered_in_a_second_child_beside_forward(
     monkeypatch: pytest.MonkeyPatch, grandchild: str
@@ -145,7 +163,7 @@ def test_a_large_backward_is_lowered_in_a_second_child_beside_forward(
     torch.manual_seed(0)
     module, args = _transformer()
     sent, kept = _captured(module, *args), _captured(module, *args)
-    monkeypatch.setattr(offload, "ASIDE_NODES", 1)  # this layer's backward counts as large
+    monkeypatch.setattr(offload, "ASIDE_WORK", 1)  # this layer's backward counts as large
     where = _lowered_where(monkeypatch)
     if grandchild == "dies":
         here = os.getpid()

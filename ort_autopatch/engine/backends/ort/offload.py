@@ -422,10 +422,35 @@ def _serve(
         gc.collect()
 
 
-#: A build's first graph of at least this many nodes is lowered in a second child, beside the
-#: next graph lowered here (`_answers`); a smaller one (a layer's: a few hundred nodes, tens
-#: of milliseconds) costs less than the fork would save.
-ASIDE_NODES = 1000
+#: A build's first graph of at least this much lowering work (`lowering_work`) is lowered in
+#: a second child, beside the next graph lowered here (`_answers`); a smaller one (a layer's:
+#: a few hundred operators, tens of milliseconds) costs less than the fork would save.
+ASIDE_WORK = 600
+#: An operator of ours (`norms`, `convolutions`, `recurrent`, `windows`) adds five to twenty
+#: ONNX nodes to a graph where an ATen operator adds one to three: its lowering work counts
+#: as this many operators'. (Counted as one, ResNet-50's backward, its 53 BatchNorms' and 53
+#: convolutions' backwards each one operator, fell below the mark, and its lowering, 0.9 s,
+#: no longer overlapped forward's.)
+OURS_WORK = 10
+
+
+def lowering_work(namespaces: Iterable[str]) -> int:
+    """A graph's lowering work from the namespaces of its operator nodes (other nodes, the
+    getitems of tuples, add no ONNX node of their own): one per ATen operator, `OURS_WORK`
+    per operator of ours."""
+    from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE
+
+    return sum(OURS_WORK if space == OPERATOR_NAMESPACE else 1 for space in namespaces)
+
+
+def _encoded_work(encoded: Encoded) -> int:
+    operators = [n.target for n in encoded.nodes if n.op == "call_function"]
+    return lowering_work(t[1] for t in operators if t[0] == "op")
+
+
+def _graph_work(graph: torch.fx.GraphModule) -> int:
+    operators = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    return lowering_work(t.namespace for t in operators if isinstance(t, torch._ops.OpOverload))
 
 
 def _answers(request: Any, receive: Callable[[], Any]) -> list[Any]:
@@ -437,7 +462,7 @@ def _answers(request: Any, receive: Callable[[], Any]) -> list[Any]:
     cores the two graphs' lowerings overlap (BERT-base's 0.8 s and 0.5 s; ResNet-50's 1.0 s
     and 0.5 s). A grandchild that fails or dies leaves its graph to this child."""
     cls, role, encoded, last = request
-    if last or len(encoded.nodes) < ASIDE_NODES:
+    if last or _encoded_work(encoded) < ASIDE_WORK:
         answers = [_answer(cls, role, encoded)]
         while not last:
             cls, role, encoded, last = receive()
@@ -746,7 +771,7 @@ class Lowerer:
 
         pairs = (("forward", forward), ("backward", backward))
         graphs = [(role, graph) for role, graph in pairs if graph is not None]
-        if backward is not None and len(backward.graph.nodes) >= ASIDE_NODES:
+        if backward is not None and _graph_work(backward) >= ASIDE_WORK:
             graphs.reverse()
         if self._failed:
             return None

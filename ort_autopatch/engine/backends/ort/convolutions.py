@@ -226,9 +226,9 @@ def _lower_weight_gradient(
     batch, channels = s.sizes[:2]
     out_channels, outer = t.sizes[1], t.sizes[2:]
     positions = math.prod(outer)
-    rows = _reshaped(target, s, [batch, out_channels, positions])
+    rows = s.reshaped(target, [batch, out_channels, positions])
     if windows.pointwise(kernel, stride, padding):
-        cols = _reshaped(source, s, [batch, channels, positions])
+        cols = s.reshaped(source, [batch, channels, positions])
         width = channels
     else:
         count = math.prod(kernel)
@@ -244,9 +244,9 @@ def _lower_weight_gradient(
         )
         patches = s.shaped([batch, channels * count, *outer])(patches)
         width = channels * count
-        cols = _reshaped(patches, s, [batch, width, positions])
+        cols = s.reshaped(patches, [batch, width, positions])
     grad = _lower_contracted(rows, cols, s, batch, out_channels, width, positions)
-    return _reshaped(grad, w, w.sizes)
+    return w.reshaped(grad, w.sizes)
 
 
 def _lower_contracted(
@@ -263,18 +263,10 @@ def _lower_contracted(
         return s.shaped([m, n])(op.ReduceSum(products, first, keepdims=0))
     flat_rows = s.shaped([m, batch, positions])(op.Transpose(rows, perm=[1, 0, 2]))
     flat_cols = s.shaped([n, batch, positions])(op.Transpose(cols, perm=[1, 0, 2]))
-    flat_rows = _reshaped(flat_rows, s, [m, batch * positions])
-    flat_cols = _reshaped(flat_cols, s, [n, batch * positions])
+    flat_rows = s.reshaped(flat_rows, [m, batch * positions])
+    flat_cols = s.reshaped(flat_cols, [n, batch * positions])
     cols_t = s.shaped([batch * positions, n])(op.Transpose(flat_cols, perm=[1, 0]))
     return s.shaped([m, n])(op.MatMul(flat_rows, cols_t))
-
-
-def _reshaped(value: Any, like: Declared, sizes: Sequence[int]) -> Any:
-    """`value` reshaped to `sizes`, declared of `like`'s type."""
-    from onnxscript import opset18 as op
-
-    shape: Any = op.Constant(value_ints=list(sizes))
-    return like.shaped(sizes)(op.Reshape(value, shape))
 
 
 #: our operator and its ONNX translation (`lowering.registry_for`)

@@ -1,5 +1,5 @@
 """Types and shapes for the values the ONNX translations of our operators make (`norms`,
-`convolutions`).
+`convolutions`, `linears`).
 
 The translator gives every FX node's value its type and shape; a translation of ours adds
 several ONNX nodes per FX node, and leaves their values undeclared unless it declares them.
@@ -17,8 +17,8 @@ from typing import Any
 
 class Declared:
     """Declarations of values of one ONNX value's type (`like`, whose sizes must be known):
-    `shaped` declares a value of that type and a given shape; `scalar`, `array` and `empty`
-    make constants of that type."""
+    `shaped` declares a value of that type and a given shape, `reshaped` reshapes one;
+    `scalar`, `array` and `empty` make constants of that type."""
 
     def __init__(self, like: Any) -> None:
         shape = like.shape
@@ -58,6 +58,13 @@ class Declared:
         array = np.asarray(values, dtype=self.dtype.numpy())
         constant: Any = ir.tensor(array)
         return self.shaped(array.shape)(op.Constant(value=constant))
+
+    def reshaped(self, value: Any, sizes: Sequence[int]) -> Any:
+        """`value` (of the type) reshaped to `sizes`, declared."""
+        from onnxscript import opset18 as op
+
+        shape: Any = op.Constant(value_ints=list(sizes))
+        return self.shaped(sizes)(op.Reshape(value, shape))
 
     def empty(self) -> Any:
         """A gradient not asked for: an empty tensor of the type, which nothing reads."""

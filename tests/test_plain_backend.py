@@ -771,16 +771,30 @@ def test_the_gradient_of_a_split_projection_is_one_concat(split: str) -> None:
     assert "Pad" not in ops and "Concat" in ops
 
 
+class _Product(nn.Module):
+    """A linear layer written as a product and a sum, as hand-written layers and attention
+    projections are: ATen's `matmul` and `add`, whose autograd the graph passes meet (an
+    `nn.Linear` is one operator of ours each way: `linears`)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.bias = nn.Parameter(torch.randn(n_out) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.bias
+
+
 @pytest.mark.parametrize("activation", [nn.ReLU, nn.GELU, nn.Identity])
 def test_forward_saves_no_reshape_for_backward(activation: type[nn.Module]) -> None:
-    """Linear layers on 3-d inputs reshape their inputs to matrices, and the partitioner saves
+    """Products over 3-d inputs reshape their inputs to matrices, and the partitioner saves
     the reshaped activation for the weight's gradient: forward saves what it reshaped instead
     (ONNX Runtime copies a Reshape whose output is a graph output), and backward reshapes
     it again, with eager's gradients. The call's own input stays reshaped: forward may write
     into an input, and the copy keeps what it read."""
     import onnx
 
-    model = nn.Sequential(nn.Linear(8, 16), activation(), nn.Linear(16, 4))
+    model = nn.Sequential(_Product(8, 16), activation(), _Product(16, 4))
     plain = _train_like_eager(model, lambda: (torch.randn(2, 5, 8, requires_grad=True),))
     forward = onnx.load_from_string(plain.lowered.forward).graph
     made_by = {out: node for node in forward.node for out in node.output}
@@ -904,10 +918,13 @@ def test_forward_saves_no_transposed_parameter_for_backward() -> None:
     assert not written, written  # (the input's own transpose stays: forward may write it)
 
 
-def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape() -> None:
+@pytest.mark.parametrize("layer", [nn.Linear, _Product])
+def test_a_linear_layers_bias_gradient_is_one_reduce_sum_without_a_reshape(
+    layer: Callable[[int, int], nn.Module],
+) -> None:
     import onnx
 
-    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    model = nn.Sequential(layer(20, 32), nn.ReLU(), layer(32, 5))
     plain = _train_like_eager(model, lambda: (torch.randn(8, 20),), steps=2)
     assert plain.lowered.backward is not None
     backward = onnx.load_from_string(plain.lowered.backward)
@@ -926,7 +943,7 @@ def test_the_capture_runs_the_passes_the_declaration_lists(
     def reshaped_sums() -> int:
         call = signature.flatten_call("M", (torch.randn(8, 20),), {})
         captured = capture.capture(
-            nn.Linear(20, 5),
+            _Product(20, 5),
             lambda m, *a, **k: m(*a, **k),
             call.spec(),
             call.tensors,
@@ -1373,7 +1390,7 @@ def test_an_output_that_is_a_view_of_an_input_is_that_view_with_eagers_gradient(
     x = torch.randn(2, 4, requires_grad=True)
     plain = PlainCall(View(), x)
     # ORT computes no copy of the view
-    assert plain.program.forward_session.runnable.fetch_names == ["addmm"]
+    assert plain.program.forward_session.runnable.fetch_names == ["linear"]
     y, flat = plain(x)
     assert flat._base is x and ran_in_plain_ort(y)
     (y.sum() + (flat * 2).sum()).backward()

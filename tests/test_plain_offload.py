@@ -360,26 +360,26 @@ def test_a_build_whose_child_fails_lowers_here_with_eagers_numbers(
     assert _first_call(monkeypatch, tmp_path) == [None]
 
 
-@pytest.mark.parametrize("misread", ["addmm", "everything", "layer_norm"])
+@pytest.mark.parametrize("misread", ["relu", "everything", "layer_norm"])
 def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, misread: str
 ) -> None:
     """Operators read wrongly from torchlib's sources give another trace once the child has
-    named them, lowered by the child too, with eager's numbers: addmm missed (the first trace
-    decomposed the linear layers' products, and was lowered for nothing), or none read at all
+    named them, lowered by the child too, with eager's numbers: relu missed (the first trace
+    decomposed the layer's ReLU, and was lowered for nothing), or none read at all
     (a table that decomposes whatever torch can: the first trace fails, and is made again).
     LayerNorm missed changes nothing: its entry is ours whatever torchlib translates, and the
     first trace stands."""
     from ort_autopatch.engine.backends.ort import lowering, offload
 
     read = lowering.read_implemented()
-    missed = {"addmm": torch.ops.aten.addmm, "layer_norm": torch.ops.aten.native_layer_norm}
+    missed = {"relu": torch.ops.aten.relu, "layer_norm": torch.ops.aten.native_layer_norm}
     wrong = read - {missed[misread].default} if misread in missed else set()
     monkeypatch.setattr(offload, "_implemented", [])  # no earlier child's answer
     monkeypatch.setattr(lowering, "read_implemented", lambda: frozenset(wrong))
     answers = _first_call(monkeypatch, tmp_path)
     assert all(answer is not None for answer in answers), answers
-    if misread == "addmm":
+    if misread == "relu":
         assert len(answers) == 2 and answers[0].forward != answers[1].forward
     else:
         assert len(answers) == 1

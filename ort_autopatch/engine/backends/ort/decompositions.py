@@ -49,6 +49,9 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - Transposed convolutions in these backwards whose `output_padding` depends on symbolic
   sizes: ONNX takes it as a constant attribute, so they are computed whole, padded and cut
   (`_transposed`); every convolution's backward had been traced once per input shape.
+- `linear` (`BEFORE_AUTOGRAD`): one operator of ours each way (`linears`: ATen's composite is
+  four operators forward, and autograd makes about eight more of them backward), for float
+  inputs of static sizes; ATen's composite elsewhere.
 - `max_pool1d` (`BEFORE_AUTOGRAD`): ATen's composite pools over the sizes as plain integers
   for the untracked tensors of a trace, fixing the length; ours is the 2-d pool over a
   height of one.
@@ -86,7 +89,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import convolutions, norms, windows
+from ort_autopatch.engine.backends.ort import convolutions, linears, norms, windows
 
 aten = torch.ops.aten
 
@@ -449,6 +452,7 @@ OURS: dict[Any, Callable[..., Any]] = {
 BEFORE_AUTOGRAD: dict[Any, Callable[..., Any]] = {
     aten.adaptive_avg_pool2d.default: windows.adaptive_avg_pool2d,
     aten.max_pool1d.default: windows.max_pool1d,
+    aten.linear.default: linears.linear,
 }
 for _function in BEFORE_AUTOGRAD.values():
     _function.before_autograd = True  # type: ignore[attr-defined]

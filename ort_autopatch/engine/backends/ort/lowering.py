@@ -185,11 +185,12 @@ OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
 
 def our_translations() -> dict[Any, Any]:
     """Our own operators and their ONNX translations, from the modules that define them:
-    `recurrent`'s scans, `windows`' SpaceToDepth, `norms`' BatchNorm and LayerNorm and
-    `convolutions`' backward."""
-    from ort_autopatch.engine.backends.ort import convolutions, norms, recurrent, windows
+    `recurrent`'s scans, `windows`' SpaceToDepth, `norms`' BatchNorm and LayerNorm,
+    `convolutions`' backward and `linears`' linear."""
+    from ort_autopatch.engine.backends.ort import convolutions, linears, norms, recurrent, windows
 
     return {
+        **linears.TRANSLATIONS,
         **recurrent.TRANSLATIONS,
         **windows.TRANSLATIONS,
         **norms.TRANSLATIONS,

@@ -62,3 +62,39 @@ class PlainCall:
 def ran_in_plain_ort(output: torch.Tensor) -> bool:
     """Whether a training output came out of the plain backend's autograd Function."""
     return type(output.grad_fn).__name__ == "GraphFunctionBackward"
+
+
+def steps_like_eager(
+    model: torch.nn.Module,
+    eager: torch.nn.Module,
+    plain: PlainCall,
+    draw: Callable[[], torch.Tensor],
+    grad_input: bool = True,
+    **tolerance: float,
+) -> None:
+    """Three calls of `model` through `plain` (ORT) and of its copy `eager`, on inputs
+    `draw()` makes, each followed by a backward of one weighted sum: outputs, the input's
+    gradient (where `grad_input`), every parameter's gradient (None where eager's is) and
+    every buffer equal eager's (within `tolerance`, `assert_close`'s). Each call must run in
+    ORT. The last step's gradients are left in place."""
+    for step in range(3):
+        for p in [*model.parameters(), *eager.parameters()]:
+            p.grad = None
+        x = draw()
+        ours = x.clone().requires_grad_(grad_input)
+        theirs = x.clone().requires_grad_(grad_input)
+        out, expected = plain(ours), eager(theirs)
+        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
+        torch.testing.assert_close(out, expected, **tolerance)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        if grad_input:
+            torch.testing.assert_close(ours.grad, theirs.grad, **tolerance)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, msg=name, **tolerance)
+        for (name, b), e in zip(model.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(b, e, msg=name, **tolerance)

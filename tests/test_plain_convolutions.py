@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import convolutions
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
+from tests.plain_helpers import (
+    PLAIN_READY,
+    SKIP_REASON,
+    PlainCall,
+    ran_in_plain_ort,
+    steps_like_eager,
+)
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -88,30 +94,13 @@ class _Convolved(nn.Module):
 
 
 def _trains_like_eager(model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> PlainCall:
-    """Three calls through ORT and eagerly, each followed by a backward of one weighted sum:
-    outputs, the input's gradient and every parameter's gradient (None where eager's is)
-    equal eager's. Returns the call, for its graphs."""
+    """`steps_like_eager` through a capture of `model`'s call at `shape`; the call, for
+    its graphs."""
     eager = copy.deepcopy(model)
     plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=True))
     assert plain.captured.backward is not None
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
-    for step in range(3):
-        for p in [*model.parameters(), *eager.parameters()]:
-            p.grad = None
-        x = torch.randn(shape, dtype=dtype)
-        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out, expected = plain(ours), eager(theirs)
-        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
-        torch.testing.assert_close(out, expected, **tolerance)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
-        (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        torch.testing.assert_close(ours.grad, theirs.grad, **tolerance)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-            if q.grad is None:
-                assert p.grad is None, name
-            else:
-                torch.testing.assert_close(p.grad, q.grad, msg=name, **tolerance)
+    steps_like_eager(model, eager, plain, lambda: torch.randn(shape, dtype=dtype), **tolerance)
     return plain
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import linears
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, steps_like_eager
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -66,32 +66,13 @@ class _Linears(nn.Module):
 def _trains_like_eager(
     model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, grad_input: bool = True
 ) -> PlainCall:
-    """Three calls through ORT and eagerly, each followed by a backward of one weighted sum:
-    outputs, the input's gradient and every parameter's gradient (None where eager's is)
-    equal eager's. Returns the call, for its graphs."""
+    """`steps_like_eager` through a capture of `model`'s call at `shape`; the call, for
+    its graphs."""
     eager = copy.deepcopy(model)
-    example = torch.randn(shape, dtype=dtype, requires_grad=grad_input)
-    plain = PlainCall(model, example)
+    plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=grad_input))
     assert plain.captured.backward is not None
-    for step in range(3):
-        for p in [*model.parameters(), *eager.parameters()]:
-            p.grad = None
-        x = torch.randn(shape, dtype=dtype)
-        ours = x.clone().requires_grad_(grad_input)
-        theirs = x.clone().requires_grad_(grad_input)
-        out, expected = plain(ours), eager(theirs)
-        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
-        torch.testing.assert_close(out, expected)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
-        (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        if grad_input:
-            torch.testing.assert_close(ours.grad, theirs.grad)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-            if q.grad is None:
-                assert p.grad is None, name
-            else:
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
+    draw = lambda: torch.randn(shape, dtype=dtype)  # noqa: E731
+    steps_like_eager(model, eager, plain, draw, grad_input=grad_input)
     return plain
 
 

@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import norms
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, ran_in_plain_ort
+from tests.plain_helpers import (
+    PLAIN_READY,
+    SKIP_REASON,
+    PlainCall,
+    steps_like_eager,
+)
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -75,26 +80,8 @@ def _three_steps_like_eager(
     dtype: torch.dtype,
     laid: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
 ) -> None:
-    """Three calls through ORT and eagerly (inputs drawn at `shape`, then `laid` out),
-    each followed by a backward of one weighted sum: outputs, the input's gradient, every
-    parameter's gradient (None where eager's is) and every buffer equal eager's. The last
-    step's gradients are left in place."""
-    for step in range(3):
-        for p in [*model.parameters(), *eager.parameters()]:
-            p.grad = None
-        x = laid(torch.randn(shape, dtype=dtype) * 3 + 1)
-        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out, expected = plain(ours), eager(theirs)
-        assert ran_in_plain_ort(out), f"step {step} did not run in ORT"
-        torch.testing.assert_close(out, expected)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)
-        (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        torch.testing.assert_close(ours.grad, theirs.grad)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-        for (name, b), e in zip(model.named_buffers(), eager.buffers(), strict=True):
-            torch.testing.assert_close(b, e, msg=name)
+    """`steps_like_eager` on inputs drawn at `shape` off a zero mean, then `laid` out."""
+    steps_like_eager(model, eager, plain, lambda: laid(torch.randn(shape, dtype=dtype) * 3 + 1))
 
 
 class _Normed(nn.Module):

@@ -76,7 +76,8 @@ def test_the_operator_applies_where_its_translation_makes_the_decompositions_nod
     grouped = nn.Conv2d(16, 8, 3, groups=2)
     assert not _translatable(grouped, x, all_three)
     assert _translatable(grouped, x, [True, False, True])
-    # half precision computes as ATen does, through the decomposition
+    # an empty batch, and half precision (which computes as ATen does): the decomposition
+    assert not _translatable(nn.Conv2d(16, 8, 1), x[:0], all_three)
     assert not _translatable(nn.Conv2d(16, 8, 1).bfloat16(), x.bfloat16(), all_three)
 
 

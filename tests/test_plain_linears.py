@@ -48,6 +48,7 @@ def test_the_operators_apply_to_float_matrices_of_static_sizes() -> None:
     assert not linears.applies(x.bfloat16(), w.bfloat16(), b.bfloat16())  # as ATen computes
     assert not linears.applies(x, w.double(), b)
     assert not linears.applies(torch.randn(8), w, b)  # a vector: ATen's composite
+    assert not linears.applies(torch.randn(0, 8), w, b)  # an empty batch: ATen's too
 
 
 class _Linears(nn.Module):

@@ -107,8 +107,8 @@ def translatable(
         return False
     if input.dim() != weight.dim() or not 3 <= input.dim() <= 5:
         return False
-    if not all(type(size) is int for t in tensors for size in t.shape):
-        return False
+    if not all(type(size) is int and size > 0 for t in tensors for size in t.shape):
+        return False  # symbolic sizes, or an empty batch: the decomposition
     kernel = list(weight.shape[2:])
     if output_mask[0] and not transposed:
         extra = windows.unreached(input, grad_output, kernel, stride, padding, dilation)

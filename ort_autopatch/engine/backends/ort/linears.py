@@ -13,9 +13,10 @@ composite's operators were translated to: a `Gemm` of the input flattened to two
 (a `MatMul` without bias), and for the gradients a `MatMul` each and the bias's `ReduceSum`.
 
 The operators apply where the translation makes what torchlib makes of the composite
-(`applies`): float32 or float64 tensors of one type and static sizes, an input of two or more
-dimensions, a weight matrix. Elsewhere (half precision, autocast, which casts before this
-kernel runs, symbolic sizes, a vector input) ATen's composite runs as before. The kernels
+(`applies`): float32 or float64 tensors of one type and static, non-zero sizes, an input of
+two or more dimensions, a weight matrix. Elsewhere (half precision, autocast, which casts
+before this kernel runs, symbolic sizes, a vector input, an empty batch) ATen's composite runs
+as before. The kernels
 compute in torch what the translations compute, so a graph run in torch runs them and tests
 hold the translations to eager.
 """
@@ -100,7 +101,8 @@ def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return False
     if input.dim() < 2 or weight.dim() != 2 or (bias is not None and bias.dim() != 1):
         return False
-    return all(type(size) is int for t in tensors for size in t.shape)
+    # (an empty batch or matrix: ATen's composite, whose empty products ORT may not take)
+    return all(type(size) is int and size > 0 for t in tensors for size in t.shape)
 
 
 def linear(

@@ -30,16 +30,13 @@ import torch
 
 from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
 from ort_autopatch.engine.backends.ort import windows
-from ort_autopatch.engine.backends.ort.declared import Declared
+from ort_autopatch.engine.backends.ort.declared import Declared, declarable
 
 aten = torch.ops.aten
 
-#: the types the operator takes (the one-hot patches serve float32 alone: `windows`)
-_TYPES = (torch.float32, torch.float64)
-
 
 @torch.library.custom_op(f"{NAMESPACE}::convolution_backward", mutates_args=())
-def convolution_backward(
+def convolution_backward_operator(
     grad_output: torch.Tensor,
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -71,7 +68,7 @@ def convolution_backward(
     )
 
 
-@convolution_backward.register_fake
+@convolution_backward_operator.register_fake
 def _(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -102,13 +99,10 @@ def translatable(
 ) -> bool:
     """Whether the operator's translation makes what the decomposition would here (see the
     module's docstring)."""
-    tensors = (grad_output, input, weight)
-    if input.dtype not in _TYPES or any(t.dtype != input.dtype for t in tensors):
-        return False
     if input.dim() != weight.dim() or not 3 <= input.dim() <= 5:
         return False
-    if not all(type(size) is int and size > 0 for t in tensors for size in t.shape):
-        return False  # symbolic sizes, or an empty batch: the decomposition
+    if not declarable(grad_output, input, weight):
+        return False
     kernel = list(weight.shape[2:])
     if output_mask[0] and not transposed:
         extra = windows.unreached(input, grad_output, kernel, stride, padding, dilation)
@@ -126,7 +120,7 @@ def translatable(
     return True
 
 
-def decomposed_convolution_backward(
+def convolution_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
     weight: torch.Tensor,

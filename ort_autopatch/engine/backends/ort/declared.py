@@ -6,13 +6,33 @@ several ONNX nodes per FX node, and leaves their values undeclared unless it dec
 A backward cut into stages (`stages`) declares the values crossing stages with their types
 and shapes, and left whole the graphs where one had none (a small CNN's whole backward,
 before the normalisations declared theirs). So each translation declares every value it
-makes, with `Declared`.
+makes, with `Declared`; each operator applies where its tensors are `declarable`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
+
+#: the types our operators take (half precision computes in float32 in ATen's kernels, and
+#: the decompositions keep that)
+TYPES = (torch.float32, torch.float64)
+
+
+def declarable(*tensors: torch.Tensor | None) -> bool:
+    """Whether our operators take these tensors (None: an argument not given, such as a
+    missing bias): float32 or float64, all of one type, of static, non-zero sizes, so that
+    every value a translation makes can be declared. (Symbolic sizes would make the
+    translations' constants expressions; an empty batch would reach ORT's kernels as empty
+    products: the decompositions take both.)"""
+    given = [t for t in tensors if t is not None]
+    if not given or given[0].dtype not in TYPES:
+        return False
+    if any(t.dtype != given[0].dtype for t in given):
+        return False
+    return all(type(size) is int and size > 0 for t in given for size in t.shape)
 
 
 class Declared:

@@ -424,7 +424,7 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.slice_backward.default: slice_backward,
     aten.diagonal_backward.default: diagonal_backward,
     aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
-    aten.convolution_backward.default: convolutions.decomposed_convolution_backward,
+    aten.convolution_backward.default: convolutions.convolution_backward,
     aten.avg_pool2d_backward.default: windows.avg_pool2d_backward,
     aten.avg_pool3d_backward.default: windows.avg_pool3d_backward,
     aten.avg_pool2d.default: windows.avg_pool2d,

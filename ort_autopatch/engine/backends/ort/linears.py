@@ -30,12 +30,9 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
-from ort_autopatch.engine.backends.ort.declared import Declared
+from ort_autopatch.engine.backends.ort.declared import Declared, declarable
 
 aten = torch.ops.aten
-
-#: the types the operators take
-_TYPES = (torch.float32, torch.float64)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::linear", mutates_args=())
@@ -96,13 +93,9 @@ linear_operator.register_autograd(_backward, setup_context=_setup_context)
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the operators' translations make what torchlib makes of ATen's composite here
     (see the module's docstring)."""
-    tensors = [t for t in (input, weight, bias) if t is not None]
-    if input.dtype not in _TYPES or any(t.dtype != input.dtype for t in tensors):
-        return False
     if input.dim() < 2 or weight.dim() != 2 or (bias is not None and bias.dim() != 1):
         return False
-    # (an empty batch or matrix: ATen's composite, whose empty products ORT may not take)
-    return all(type(size) is int and size > 0 for t in tensors for size in t.shape)
+    return declarable(input, weight, bias)
 
 
 def linear(

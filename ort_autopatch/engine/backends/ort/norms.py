@@ -30,13 +30,9 @@ from typing import Any
 import torch
 
 from ort_autopatch.engine.backends.ort import OPERATOR_NAMESPACE as NAMESPACE
-from ort_autopatch.engine.backends.ort.declared import Declared
+from ort_autopatch.engine.backends.ort.declared import Declared, declarable
 
 aten = torch.ops.aten
-
-#: the input types the operators take (others, half precision, compute in float32 as
-#: ATen does: the decompositions keep that)
-_TYPES = (torch.float32, torch.float64)
 
 
 def _channel_shape(rank: int) -> list[int]:
@@ -158,13 +154,10 @@ def _(
 
 
 def _static_and_whole(input: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether our operators can take these tensors: a float32 or float64 input of static,
-    non-zero sizes, and every other tensor given and of its type. (Half precision computes in
-    float32, as ATen does; symbolic sizes would make N / (N - 1) and 1 / N expressions: the
-    decompositions take both.)"""
-    if input.dtype not in _TYPES or not all(type(s) is int and s > 0 for s in input.shape):
-        return False
-    return all(other is not None and other.dtype == input.dtype for other in others)
+    """Whether our operators can take these tensors: every one given (a BatchNorm without
+    affine parameters is the decompositions'), and all `declarable` (N / (N - 1) and 1 / N
+    are constants of the translations)."""
+    return all(other is not None for other in others) and declarable(input, *others)
 
 
 def batch_norm_operators(input: torch.Tensor, *others: torch.Tensor | None) -> int | None:

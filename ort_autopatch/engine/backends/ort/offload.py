@@ -426,11 +426,11 @@ def _serve(
 #: a second child, beside the next graph lowered here (`_answers`); a smaller one (a layer's:
 #: a few hundred operators, tens of milliseconds) costs less than the fork would save.
 ASIDE_WORK = 600
-#: An operator of ours (`norms`, `convolutions`, `recurrent`, `windows`) adds five to twenty
-#: ONNX nodes to a graph where an ATen operator adds one to three: its lowering work counts
-#: as this many operators'. (Counted as one, ResNet-50's backward, its 53 BatchNorms' and 53
-#: convolutions' backwards each one operator, fell below the mark, and its lowering, 0.9 s,
-#: no longer overlapped forward's.)
+#: An operator of ours (`norms`, `convolutions`, `linears`, `recurrent`, `windows`) adds up
+#: to twenty ONNX nodes to a graph where an ATen operator adds one to three: its lowering
+#: work counts as this many operators'. (Counted as one, ResNet-50's backward, its 53
+#: BatchNorms' and 53 convolutions' backwards each one operator, fell below the mark, and
+#: its lowering, 0.9 s, no longer overlapped forward's.)
 OURS_WORK = 10
 
 

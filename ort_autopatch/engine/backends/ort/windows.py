@@ -5,8 +5,8 @@ or torchlib's is said in `decompositions`' docstring; the shared tools are a tra
 convolution whose output padding may be symbolic (`_transposed`) and each window's sum as a
 convolution with a kernel of ones (`_window_sums`). Where a convolution's backward can be one
 operator of ours, `convolutions` makes it so and translates it to the nodes these make; the
-public helpers here (`pointwise`, `convolves_patches`, `contracts_per_image`, `unreached`)
-are the choices the two share.
+public helpers here (`spatial`, `pointwise`, `convolves_patches`, `contracts_per_image`,
+`unreached`, `one_hot_kernels`) are the choices and pieces the two share.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -247,7 +247,20 @@ def _rounding_zero(largest: Iterable[float]) -> float:
 
 #: one run's float outputs and its gradients (of the trainable tensors, then of the inputs
 #: that require grad)
-_Side = tuple[list[torch.Tensor], list[torch.Tensor | None]]
+Side = tuple[list[torch.Tensor], list[torch.Tensor | None]]
+
+
+class Made(Protocol):
+    """Eager's runs of one check made elsewhere, from the state the check runs from
+    (`eager_child`); each None where it was not made."""
+
+    def side(self) -> Side | None:
+        """Eager's plain run (`_side`)."""
+        ...
+
+    def nudged(self, seed: int) -> Side | None:
+        """Eager's run for `seed`'s spread (`_nudged_side`), asked after `side`."""
+        ...
 
 
 def _side(
@@ -256,7 +269,7 @@ def _side(
     trainable: Sequence[torch.Tensor],
     grad: bool,
     saved: _Saved,
-) -> _Side:
+) -> Side:
     """One run on copies of `inputs`, with a backward of one fixed cotangent; the saved
     state restored after it."""
     leaves = _copies(inputs)
@@ -343,27 +356,24 @@ def _spreads(
     trainable: Sequence[torch.Tensor],
     grad: bool,
     saved: _Saved,
-    eager: _Side,
+    eager: Side,
+    made: Made | None = None,
 ) -> Iterator[tuple[list[float], list[float]] | None]:
     """Eager's own largest movement per output and per gradient against its plain run
     `eager`, so far: eager run again, once per seed, from nudged inputs and parameters and
-    with rounding noise in every operator's result (`_RoundingNoise`), yielding the spreads
-    measured up to each seed. Yields None (and stops) when such a run fails or gives other
-    outputs: then only the strict comparison counts.
+    with rounding noise in every operator's result (`_nudged_side`; `made`'s, where it has
+    that seed's run), yielding the spreads measured up to each seed. Yields None (and stops)
+    when such a run fails or gives other outputs: then only the strict comparison counts.
 
     A spread only grows from seed to seed, so a graph within the spreads of the first seeds is
     within those of all: the caller stops at the first that covers it (ResNet-50's check took
     4.7 s for both seeds, one eager run with noise in every operator each)."""
     outputs, gradients = [0.0] * len(eager[0]), [0.0] * len(eager[1])
     for seed in NUDGE_SEEDS:
-        noise = _Noise(torch.Generator(device="cpu").manual_seed(seed))
-        nudged = [
-            _nudge(t, noise).requires_grad_(t.requires_grad) if t.is_floating_point() else t
-            for t in inputs
-        ]
+        moved = made.nudged(seed) if made is not None else None
         try:
-            with _nudged_parameters(module, noise), _RoundingNoise(noise):
-                moved = _side(run_eager, nudged, trainable, grad, saved)
+            if moved is None:
+                moved = _nudged_side(module, run_eager, inputs, trainable, grad, saved, seed)
         except Exception:
             yield None
             return
@@ -377,6 +387,26 @@ def _spreads(
                 # a NaN moved nothing measurable: it widens no spread
                 spreads[k] = max(spreads[k], _distance(a, e, nan=0.0))
         yield list(outputs), list(gradients)
+
+
+def _nudged_side(
+    module: torch.nn.Module,
+    run_eager: Callable[[list[torch.Tensor]], Any],
+    inputs: Sequence[torch.Tensor],
+    trainable: Sequence[torch.Tensor],
+    grad: bool,
+    saved: _Saved,
+    seed: int,
+) -> Side:
+    """Eager's run of the call from inputs and parameters nudged by `seed`'s noise, with
+    rounding noise in every operator's result (`_RoundingNoise`)."""
+    noise = _Noise(torch.Generator(device="cpu").manual_seed(seed))
+    nudged = [
+        _nudge(t, noise).requires_grad_(t.requires_grad) if t.is_floating_point() else t
+        for t in inputs
+    ]
+    with _nudged_parameters(module, noise), _RoundingNoise(noise):
+        return _side(run_eager, nudged, trainable, grad, saved)
 
 
 @contextlib.contextmanager
@@ -411,7 +441,7 @@ def _float64_side(
     trainable: Sequence[torch.Tensor],
     grad: bool,
     saved: _Saved,
-) -> _Side | None:
+) -> Side | None:
     """The call run eagerly in float64 (with the same cotangents): the reference both sides'
     float32 errors are measured against. None where there is nothing to promote, the module
     is too large, or the run fails (code that mixes in float32 tensors of its own)."""
@@ -466,10 +496,10 @@ class _RoundingNoise(TorchDispatchMode):
 
 
 def _compare(
-    graph: _Side,
-    eager: _Side,
+    graph: Side,
+    eager: Side,
     spreads: tuple[list[float], list[float]] | None = None,
-    reference: _Side | None = None,
+    reference: Side | None = None,
 ) -> Verification:
     """Outputs and gradients, tensor by tensor; with eager's own `spreads`, a tensor beyond
     the strict tolerance still matches within SPREAD times its spread; with the call's
@@ -576,18 +606,21 @@ def verify_call(
     inputs: Sequence[torch.Tensor],
     trainable: Sequence[torch.Tensor],
     grad: bool,
+    made: Made | None = None,
 ) -> Verification:
     """Run the call through the graph and eagerly, compare, restore the user's state.
 
     `run_graph(tensors)` and `run_eager(tensors)` take the flat input tensors. No gradient
-    hook of a parameter fires. Where the strict comparison fails, eager's own spread is
-    measured on the call and the comparison made again within it (see the module's
-    docstring). Raises `VerificationError` on a mismatch (the state is restored first).
+    hook of a parameter fires. `made`, asked once the graph has run, may give eager's runs
+    already made elsewhere from the same state (`eager_child`); eager runs here where it
+    gives None. Where the strict comparison fails, eager's own spread is measured on the
+    call and the comparison made again within it (see the module's docstring). Raises
+    `VerificationError` on a mismatch (the state is restored first).
     """
     saved = _Saved(module)
     with _hooks_silenced(trainable):
         try:
-            graph: _Side | None = None
+            graph: Side | None = None
             try:
                 graph = _side(run_graph, inputs, trainable, grad, saved)
             except EngineError:
@@ -599,7 +632,9 @@ def verify_call(
                 # not be made); where eager's fails too, the comparison cannot be made.
                 saved.restore()
                 failure = f"{type(exc).__name__}: {exc}"
-            eager = _side(run_eager, inputs, trainable, grad, saved)
+            eager = made.side() if made is not None else None
+            if eager is None:
+                eager = _side(run_eager, inputs, trainable, grad, saved)
             if graph is None:
                 result = Verification(
                     mismatch=f"the graph's run failed where eager's did not ({failure})"
@@ -608,7 +643,9 @@ def verify_call(
                 strict = result = _compare(graph, eager)
                 spreads: tuple[list[float], list[float]] | None = None
                 if result.mismatch is not None:
-                    measured = _spreads(module, run_eager, inputs, trainable, grad, saved, eager)
+                    measured = _spreads(
+                        module, run_eager, inputs, trainable, grad, saved, eager, made
+                    )
                     for spreads in measured:
                         if spreads is None:  # not measurable: the strict verdict stands
                             result = strict
@@ -644,11 +681,12 @@ def verify_entry(
     grad: bool,
     forward: Callable[..., Any],
     random: list[str] | None = None,
+    made: Made | None = None,
 ) -> Verification:
     """`verify_call` for one call of a cached graph (`forward(module, *args, **kwargs)` is the
-    eager side); a graph with random operators (`random`, or read from the graph when None)
-    is reported as not verified."""
-    from ort_autopatch.engine import signature, tracing
+    eager side, or `made`'s where it gives one); a graph with random operators (`random`,
+    or read from the graph when None) is reported as not verified."""
+    from ort_autopatch.engine import signature
 
     if random is None:
         import onnx
@@ -661,6 +699,27 @@ def verify_entry(
     def run_graph(tensors: list[torch.Tensor]) -> Any:
         copy = signature.FlatCall(tensors, call.signature, spec, call.args, call.kwargs)
         return entry.run(state, copy)
+
+    run_eager = eager_runner(module, call, forward)
+    return verify_call(
+        cls, module, run_graph, run_eager, call.tensors, trainable_of(state, grad), grad, made
+    )
+
+
+def trainable_of(state: ModuleState, grad: bool) -> list[torch.Tensor]:
+    """The parameters whose gradients a check compares: the trainable ones, in a training
+    call."""
+    return [p for p in state.params if p.requires_grad] if grad else []
+
+
+def eager_runner(
+    module: torch.nn.Module, call: FlatCall, forward: Callable[..., Any]
+) -> Callable[[list[torch.Tensor]], Any]:
+    """The call's eager side as `verify_call` runs it: `forward(module, *args, **kwargs)` on
+    flat input tensors (copies), with the call's other arguments."""
+    from ort_autopatch.engine import tracing
+
+    spec = call.spec()
 
     def run_eager(tensors: list[torch.Tensor]) -> Any:
         args, kwargs = spec.rebuild(tensors)
@@ -675,5 +734,36 @@ def verify_entry(
         ):
             return forward(module, *args, **kwargs)
 
-    trainable = [p for p in state.params if p.requires_grad] if grad else []
-    return verify_call(cls, module, run_graph, run_eager, call.tensors, trainable, grad)
+    return run_eager
+
+
+def eager_side(
+    module: torch.nn.Module,
+    call: FlatCall,
+    forward: Callable[..., Any],
+    trainable: Sequence[torch.Tensor],
+    grad: bool,
+    forward_done: Callable[[], None] | None = None,
+    seed: int | None = None,
+) -> Side:
+    """The call's eager side of a check (`verify_call`'s), made on its own: in a child
+    forked for it (`eager_child`), whose state is the user's as the call found it; with a
+    `seed`, the run that measures eager's spread (`_spreads`) for that seed. The tensors'
+    gradient hooks stay silent, and the module's buffers and RNGs are restored.
+    `forward_done()` is called between the forward and the backward."""
+    run_eager = eager_runner(module, call, forward)
+
+    def run(tensors: list[torch.Tensor]) -> Any:
+        output = run_eager(tensors)
+        if forward_done is not None:
+            forward_done()
+        return output
+
+    with _hooks_silenced(trainable):
+        saved = _Saved(module)
+        try:
+            if seed is None:
+                return _side(run, call.tensors, trainable, grad, saved)
+            return _nudged_side(module, run, call.tensors, trainable, grad, saved, seed)
+        finally:
+            saved.restore()

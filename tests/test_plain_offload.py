@@ -421,6 +421,23 @@ def test_the_child_makes_the_count_run_while_this_process_traces(
     assert len(pids) == 1 and pids[0] != os.getpid(), pids
 
 
+def test_the_count_run_stays_here_where_torch_distributed_is_initialised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A forward may join a collective (SyncBatchNorm's all-reduce), which the child would
+    make on this process's connections: with a process group up, the count run is made
+    here."""
+    import torch.distributed as dist
+
+    counted = _counted_where(monkeypatch, tmp_path)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _first_call(monkeypatch, tmp_path)
+    finally:
+        dist.destroy_process_group()
+    assert counted() == [os.getpid()]
+
+
 def test_a_forward_past_the_node_limit_counted_by_the_child_stops_the_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:

@@ -53,6 +53,15 @@ def available() -> bool:
     return hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
+def collective_possible() -> bool:
+    """Whether a module's forward may take part in a collective (torch.distributed is
+    initialised: SyncBatchNorm's all-reduce). A child running that forward would make it on
+    this process's connections, inside the other ranks' exchange: no child runs a forward
+    then."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and bool(dist.is_available() and dist.is_initialized())
+
+
 #: Threads of this package's own (progress, reaping, the kept child's timer): none holds a
 #: lock the child takes.
 OWN_THREADS = "ort_autopatch-"

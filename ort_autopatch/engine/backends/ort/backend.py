@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ort_autopatch.engine import autocast as amp
-from ort_autopatch.engine import budget, random_ops, runtime, session
+from ort_autopatch.engine import budget, random_ops, runtime, sandbox, session
 from ort_autopatch.engine.backend import Backend, Progress, RunHooks
 from ort_autopatch.engine.backends.ort import hazards as plain_hazards
 from ort_autopatch.engine.errors import (
@@ -240,7 +240,8 @@ class OrtBackend(Backend):
 
         call, cls = miss.call, self.module_class
         count = None
-        if budget.counts() and _on_cpu(miss):  # (a forked child must not touch CUDA)
+        # (a forked child must not touch CUDA, nor join a collective)
+        if budget.counts() and _on_cpu(miss) and not sandbox.collective_possible():
             spec = call.spec()
             count = functools.partial(
                 capture.count_operators, miss.module, self.forward, spec, call.tensors

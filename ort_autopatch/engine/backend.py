@@ -155,6 +155,12 @@ class Progress(Protocol):
         symbolic trace failed; `cause`: where the model's code fixed them, or "")."""
         ...
 
+    def core_free(self) -> None:
+        """A core is spare beside this process for the next seconds (the backend's helper
+        has it, idle while this process traces): the engine may use it for the build's
+        other work (`eager_child`: the first-call check's eager side)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RunHooks:

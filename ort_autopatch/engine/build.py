@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ort_autopatch.engine import aside, budget, gc_freeze, heap, session, verify
+from ort_autopatch.engine import aside, budget, eager_child, gc_freeze, heap, session, verify
 from ort_autopatch.engine import autocast as amp
 from ort_autopatch.engine.backend import Backend, RunHooks
 from ort_autopatch.engine.callkey import KeyMaker, Shapes
@@ -80,6 +80,8 @@ class Builder:
         self.learned = Learned()  # what the last build found (`build`)
         self._arena_shapes: tuple[tuple[int, ...], ...] | None = None  # see `_uses_arena`
         self._pending: dict[str, aside.Pending] = {}  # store key -> the child building it
+        #: the child making the build's eager side of the first-call check, if any
+        self._eager: eager_child.EagerChild | None = None
 
     def build(self, miss: Miss, reason: str, aside: bool = False) -> Entry:
         """Build the graph of one key, for the shapes `miss.shapes` asks. The export runs
@@ -98,6 +100,9 @@ class Builder:
                     with gc_freeze.frozen_heap():
                         return self._build(miss, reason)
                 finally:
+                    if self._eager is not None:  # taken by the check, or not needed
+                        self._eager.close()
+                        self._eager = None
                     heap.release_freed()
         except SessionError as exc:
             missing = _MISSING_KERNEL.search(exc.cause)
@@ -133,9 +138,12 @@ class Builder:
                     )
                     return entry
             known = len(self.backend.hazards)
+            if self.backend.verifies_first_call:
+                progress.on_core_free = lambda: self._fork_eager(miss)
             try:
                 recipe, export_seconds = self.backend.build(miss, progress)
             finally:  # a refused trace (data-dependent, say) found hazards too
+                progress.on_core_free = None
                 for hazard in self.backend.hazards[known:]:
                     self._listener.found(hazard)
             budget.check("before creating its ONNX Runtime session")
@@ -280,10 +288,20 @@ class Builder:
         outcome.per_shape, outcome.cause = self.learned.per_shape, self.learned.cause
         return outcome
 
+    def _fork_eager(self, miss: Miss) -> None:
+        """A child making `miss`'s eager side of the first-call check on the core the backend
+        found spare (`eager_child`), where one may be forked."""
+        if self._eager is None:
+            self._eager = eager_child.EagerChild.start(miss, self.backend.forward)
+
     def _check_first_call(self, entry: Entry, miss: Miss) -> None:
-        """The call that built the graph, through the graph and eagerly (`verify`); raises
+        """The call that built the graph, through the graph and eagerly (`verify`; eager's
+        side from the child that made it meanwhile, where it did); raises
         `verify.VerificationError` when they differ beyond eager's own spread."""
         random = self.backend.random_operators(entry.recipe)
+        made = self._eager if self._eager is not None and self._eager.miss is miss else None
+        if made is not None:
+            made.pause()  # the graph runs first, on every core
         try:
             result = verify.verify_entry(
                 self._cls,
@@ -294,6 +312,7 @@ class Builder:
                 miss.has_backward,
                 self.backend.forward,
                 random,
+                made if made is not None and made.fresh() else None,
             )
         except verify.VerificationError as exc:
             if exc.verification is not None:
@@ -399,10 +418,16 @@ class _Progress:
     def __init__(self, learned: Learned) -> None:
         self.phase = "export"
         self._learned = learned
+        #: what the builder does with a spare core (`core_free`), while the backend builds
+        self.on_core_free: Callable[[], None] | None = None
 
     def specialises(self, cause: str = "") -> None:
         self._learned.per_shape = True
         self._learned.cause = self._learned.cause or cause
+
+    def core_free(self) -> None:
+        if self.on_core_free is not None:
+            self.on_core_free()
 
 
 @contextmanager

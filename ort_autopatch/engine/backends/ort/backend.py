@@ -258,6 +258,8 @@ class OrtBackend(Backend):
         grads = [p.grad for p in params if p.grad is not None]
         shared = [*params, *grads, *module.buffers(), *call.tensors]
         lowerer = offload.Lowerer.start(count, anyway, shared)
+        if lowerer is not None:  # the child's core idles once its imports are done
+            progress.core_free()
         counted = lowerer.verdict(cls) if lowerer is not None and lowerer.counts else None
         graphs = None
         try:

@@ -111,6 +111,9 @@ class Quiet:
     def specialises(self, cause: str = "") -> None:
         pass
 
+    def core_free(self) -> None:
+        pass
+
 
 def input_shapes(recipe: Recipe, call: FlatCall) -> dict[str, tuple[int, ...]]:
     """The shapes of the call's inputs by graph input name (what the gradient-node swap

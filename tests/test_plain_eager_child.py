@@ -1,0 +1,315 @@
+"""The first-call check's eager side, made by a child forked while the build traces
+(`eager_child`): used where it stands for the run here, eager's run here everywhere else."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ort_autopatch.engine import EngineOptions, ModuleEngine, eager_child, sandbox, verify
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, ran_in_plain_ort
+
+pytestmark = [
+    pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON),
+    pytest.mark.skipif(not sandbox.available(), reason="the eager child is forked"),
+]
+
+#: this process: a forward that checks it runs in the child compares with it
+PARENT = os.getpid()
+
+
+class _Net(nn.Module):
+    """BatchNorm (buffers written in the forward), a frozen layer and a parameter the call
+    leaves unused (a gradient of None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.frozen = nn.Linear(4 * 8 * 8, 6)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(6, 5)
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(self.bn(self.conv(x))).flatten(1)
+        return self.head(self.frozen(y)), y.sum()
+
+
+class _Record:
+    """What the checks of this process ran (`verify._side`'s runs, by name) and what the
+    eager children gave (`EagerChild.side`, `EagerChild.nudged` by seed)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.here: list[str] = []
+        self.taken: list[verify.Side | None] = []
+        self.nudged: list[tuple[int, verify.Side | None]] = []
+        side, take, nudged = (
+            verify._side,
+            eager_child.EagerChild.side,
+            eager_child.EagerChild.nudged,
+        )
+
+        def recorded_side(run: Callable[..., Any], *args: Any) -> verify.Side:
+            self.here.append(run.__name__)
+            return side(run, *args)
+
+        def recorded_take(child: eager_child.EagerChild) -> verify.Side | None:
+            self.taken.append(take(child))
+            return self.taken[-1]
+
+        def recorded_nudged(child: eager_child.EagerChild, seed: int) -> verify.Side | None:
+            self.nudged.append((seed, nudged(child, seed)))
+            return self.nudged[-1][1]
+
+        monkeypatch.setattr(verify, "_side", recorded_side)
+        monkeypatch.setattr(eager_child.EagerChild, "side", recorded_take)
+        monkeypatch.setattr(eager_child.EagerChild, "nudged", recorded_nudged)
+
+
+@pytest.fixture
+def spare_core(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Record]:
+    """Every build forks a lowering child (this process has imported the exporter, which
+    otherwise lowers here), a core is spare, and what the checks ran is recorded."""
+    from ort_autopatch.engine.backends.ort import offload
+
+    monkeypatch.setattr(offload, "_EXPORTER", "not.imported.anywhere")
+    monkeypatch.setattr(offload, "_core_to_spare", lambda probe=None: True)
+    offload.close_kept()
+    yield _Record(monkeypatch)
+    offload.close_kept()
+
+
+def _first_step(model: nn.Module, x: torch.Tensor, tmp_path: Any) -> ModuleEngine:
+    """The first call through the plain backend and its backward, with eager's numbers."""
+    eager = copy.deepcopy(model)
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))
+    out, expected = engine(x), eager(x)
+    assert ran_in_plain_ort(out[0])
+    for a, e in zip(out, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    (out[0].pow(2).mean() + out[1]).backward()
+    (expected[0].pow(2).mean() + expected[1]).backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    for b, c in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(b, c)
+    return engine
+
+
+def test_the_first_calls_check_takes_eagers_side_from_the_child(
+    spare_core: _Record, tmp_path: Any
+) -> None:
+    """The graph runs here; eager's side, forward and backward, comes from the child."""
+    torch.manual_seed(0)
+    engine = _first_step(_Net(), torch.randn(2, 3, 8, 8), tmp_path)
+    assert [v.mismatch for v in engine.verifications] == [None]
+    assert len(spare_core.taken) == 1 and spare_core.taken[0] is not None
+    assert spare_core.here == ["run_graph"]
+
+
+def _miss(model: nn.Module, x: torch.Tensor) -> Any:
+    from ort_autopatch.engine import signature, state
+    from ort_autopatch.engine.recipe import Miss
+
+    call = signature.flatten_call(type(model).__name__, (x,), {})
+    return Miss(model, state.ModuleState(model), call, True, torch.device("cpu"), None, None)
+
+
+def _forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
+def test_the_childs_runs_are_eagers_runs_here_bit_for_bit() -> None:
+    """The plain run and the first seed's nudged run: outputs and gradients (None for the
+    unused parameter; none of the frozen layer) equal those `verify.eager_side` makes here
+    on the same thread count from the same state, which the child leaves as it was."""
+    import time
+
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(2, 3, 8, 8)
+    before = copy.deepcopy(model.state_dict())
+    miss = _miss(model, x)
+    child = eager_child.EagerChild.start(miss, _forward)
+    assert child is not None
+    made: list[verify.Side | None] = []
+    try:
+        for take in (child.side, lambda: child.nudged(eager_child.SEED)):
+            deadline = time.monotonic() + 60
+            while not child._child.answered() and time.monotonic() < deadline:
+                time.sleep(0.01)  # past its forward: asked now, it waits for the rest
+            made.append(take())
+    finally:
+        child.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainable = verify.trainable_of(miss.state, True)
+        expected = [
+            verify.eager_side(model, miss.call, _forward, trainable, True, seed=seed)
+            for seed in (None, eager_child.SEED)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for side, (outputs, gradients) in zip(made, expected, strict=True):
+        assert side is not None
+        assert len(side[0]) == len(outputs) == 2
+        assert [g is None for g in side[1]] == [g is None for g in gradients]
+        assert sum(g is None for g in gradients) == 1  # the unused parameter
+        for a, e in zip([*side[0], *side[1]], [*outputs, *gradients], strict=True):
+            assert a is None or (e is not None and torch.equal(a, e))
+    assert not torch.equal(made[0][0][0], made[1][0][0])  # type: ignore[index]  # nudged
+
+
+def test_a_state_written_since_the_fork_runs_eager_here(
+    spare_core: _Record, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter written in place after the child forked (a build in a thread while the
+    user trains on): the child's side is of another state, and eager runs here."""
+    from ort_autopatch.engine.build import Builder
+
+    fork = Builder._fork_eager
+
+    def fork_then_write(builder: Builder, miss: Any) -> None:
+        fork(builder, miss)
+        with torch.no_grad():
+            next(miss.module.parameters()).mul_(1.0)  # same values, a new version
+
+    monkeypatch.setattr(Builder, "_fork_eager", fork_then_write)
+    torch.manual_seed(0)
+    engine = _first_step(_Net(), torch.randn(2, 3, 8, 8), tmp_path)
+    assert [v.mismatch for v in engine.verifications] == [None]
+    assert spare_core.taken == []  # stale: never asked
+    assert spare_core.here == ["run_graph", "run_eager"]
+
+
+class _SlowInTheChild(nn.Module):
+    """A forward that takes a minute in any process but this one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if os.getpid() != PARENT:
+            import time
+
+            time.sleep(60)
+        y = self.lin(x)
+        return y, y.sum()
+
+
+class _FailsInTheChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if os.getpid() != PARENT:
+            raise RuntimeError("injected: eager fails in the child")
+        y = self.lin(x)
+        return y, y.sum()
+
+
+@pytest.mark.parametrize("model", [_SlowInTheChild, _FailsInTheChild])
+def test_a_child_still_in_its_forward_or_failed_leaves_eager_here(
+    spare_core: _Record, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, model: type[nn.Module]
+) -> None:
+    """A child still in its forward once the graph has run is closed, not waited for (its
+    one thread would cost more than the run here); a failed child gives nothing. Either way
+    eager runs here and the check holds."""
+    import time
+
+    from ort_autopatch.engine.backends.ort import offload
+
+    # the lowering child is forked from this process too: it would sleep or fail in its
+    # count run, so the count is made here (as with a child kept from an earlier build)
+    start_lowerer = offload.Lowerer.start
+    monkeypatch.setattr(
+        offload.Lowerer, "start", staticmethod(lambda count, *rest: start_lowerer(None, *rest))
+    )
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    engine = _first_step(model(), torch.randn(5, 4), tmp_path)
+    assert time.perf_counter() - start < 30
+    assert [v.mismatch for v in engine.verifications] == [None]
+    assert spare_core.taken == [None]
+    assert spare_core.here == ["run_graph", "run_eager"]
+
+
+def test_a_wrong_graph_is_refused_against_the_childs_side(
+    spare_core: _Record, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BatchNorm lowered as in inference (the exporter's mistranslation, its decomposition
+    dropped): refused against the child's eager side, and the module left as it was."""
+    from ort_autopatch.engine.backends.ort import decompositions
+
+    dropped = torch.ops.aten._native_batch_norm_legit_functional.default
+    table = decompositions.table
+
+    def without_batch_norm(*args: Any) -> dict[Any, Any]:
+        return {k: v for k, v in table(*args).items() if k is not dropped}
+
+    monkeypatch.setattr(decompositions, "table", without_batch_norm)
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(2, 3, 8, 8)
+    before = copy.deepcopy(model.state_dict())
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))
+    with pytest.raises(verify.VerificationError, match="output 0 differs"):
+        engine(x)
+    assert len(spare_core.taken) == 1 and spare_core.taken[0] is not None
+    # the first seed's spread from the child too; the second's (and float64's) made here
+    assert [(seed, side is not None) for seed, side in spare_core.nudged] == [
+        (1, True),
+        (2, False),
+    ]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+class _Logged(nn.Module):
+    """Notes the process of every forward on real tensors."""
+
+    def __init__(self, log: Any) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(x, torch._subclasses.FakeTensor):
+            with open(self.log, "a") as out:
+                out.write(f"{os.getpid()}\n")
+        y = self.lin(x)
+        return y, y.sum()
+
+
+def test_no_child_runs_a_forward_where_torch_distributed_is_initialised(
+    spare_core: _Record, tmp_path: Any
+) -> None:
+    """A forward may join a collective (SyncBatchNorm's), which a child would make on this
+    process's connections: with a process group up, every forward runs here (the eager
+    child's and the lowering child's count run alike)."""
+    import torch.distributed as dist
+
+    log = tmp_path / "forwards"
+    log.write_text("")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        engine = _first_step(_Logged(log), torch.randn(5, 4), tmp_path)
+    finally:
+        dist.destroy_process_group()
+    assert [v.mismatch for v in engine.verifications] == [None]
+    assert spare_core.taken == []
+    assert spare_core.here == ["run_graph", "run_eager"]
+    assert {int(pid) for pid in log.read_text().split()} == {PARENT}

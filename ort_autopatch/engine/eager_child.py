@@ -58,8 +58,9 @@ NICENESS = 10
 #: the fork never answers; eager's side then runs here).
 TIMEOUT_SECONDS = 300.0
 #: The free memory (MemAvailable) a child needs, in multiples of the module's and the call's
-#: tensor bytes: its gradients, their copy in shared memory, and its activations.
-MEMORY_FACTOR = 4
+#: tensor bytes: its gradients and their copy in shared memory, twice (the plain run's and
+#: the spread's), the spread's nudged parameters, and its activations.
+MEMORY_FACTOR = 6
 #: Each tensor's offset in the shared memory is a multiple of this (any dtype's alignment).
 ALIGN = 64
 
@@ -97,7 +98,9 @@ class EagerChild:
         tensors = _tensors(miss)
         if not sandbox.available() or sandbox.collective_possible():
             return None
-        if any(t.device.type != "cpu" for t in tensors) or not _fits(tensors):
+        if any(t.device.type != "cpu" for t in tensors) or torch.cuda.is_initialized():
+            return None  # (CUDA does not survive a fork: a forward touching it would hang)
+        if not _fits(tensors):
             return None
         busy = sandbox.working_thread()
         if busy is not None:

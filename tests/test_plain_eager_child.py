@@ -209,6 +209,27 @@ class _SlowInTheChild(nn.Module):
         return y, y.sum()
 
 
+def _slow_gradient(gradient: torch.Tensor) -> torch.Tensor:
+    import time
+
+    time.sleep(60)
+    return gradient
+
+
+class _SlowBackwardInTheChild(nn.Module):
+    """A backward that takes a minute in any process but this one (the forward is quick)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        if os.getpid() != PARENT:
+            y.register_hook(_slow_gradient)
+        return y, y.sum()
+
+
 class _FailsInTheChild(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -221,13 +242,14 @@ class _FailsInTheChild(nn.Module):
         return y, y.sum()
 
 
-@pytest.mark.parametrize("model", [_SlowInTheChild, _FailsInTheChild])
-def test_a_child_still_in_its_forward_or_failed_leaves_eager_here(
+@pytest.mark.parametrize("model", [_SlowInTheChild, _SlowBackwardInTheChild, _FailsInTheChild])
+def test_a_slow_or_failed_child_leaves_eager_here(
     spare_core: _Record, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, model: type[nn.Module]
 ) -> None:
     """A child still in its forward once the graph has run is closed, not waited for (its
-    one thread would cost more than the run here); a failed child gives nothing. Either way
-    eager runs here and the check holds."""
+    one thread would cost more than the run here); one past its forward is waited for about
+    as long as its backward should take (a starved child would stall the call), then
+    closed; a failed child gives nothing. Each way eager runs here and the check holds."""
     import time
 
     from ort_autopatch.engine.backends.ort import offload

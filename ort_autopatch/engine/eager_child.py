@@ -20,8 +20,9 @@ thread count is. It is used only where it can stand in for the run here:
   trained on would not be);
 - the run is done, or past its forward, when the check asks: a child still in a forward then
   is closed, and eager runs here on every thread (waiting for a child on one thread would
-  cost more than it saves: a large batch, whose run outlasts the trace). While the graph
-  runs for the check, on every core, the child is stopped (`pause`);
+  cost more than it saves: a large batch, whose run outlasts the trace); one past its
+  forward is waited for as long as its backward should take (`WAIT_RATIO`). While the
+  graph runs for the check, on every core, the child is stopped (`pause`);
 - its outputs and gradients cross in shared memory (a memfd the child fills and this
   process maps): BERT-base's gradients are 440 MB, which a pipe would copy three times.
 
@@ -35,11 +36,13 @@ child, means eager's runs are made here, as without the child.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +57,12 @@ log = logging.getLogger("ort_autopatch")
 
 #: The child's `os.nice` increment where Linux's idle scheduling class is missing.
 NICENESS = 10
-#: How long this process waits for a child past its forward (a child stuck on a lock held at
-#: the fork never answers; eager's side then runs here).
-TIMEOUT_SECONDS = 300.0
+#: How long this process waits for a child past its forward: this many times the CPU time
+#: its forward took (a backward takes about twice a forward's), and at least `WAIT_SECONDS`.
+#: A child starved on a busy machine (it runs only on idle CPU) or stuck on a lock held at
+#: the fork is closed then, and eager's run is made here.
+WAIT_RATIO = 4.0
+WAIT_SECONDS = 1.0
 #: The free memory (MemAvailable) a child needs, in multiples of the module's and the call's
 #: tensor bytes: its gradients and their copy in shared memory, twice (the plain run's and
 #: the spread's), the spread's nudged parameters, and its activations.
@@ -68,7 +74,7 @@ ALIGN = 64
 #: first: the one that covers a graph where any does, on ResNet-50).
 SEED = verify.NUDGE_SEEDS[0]
 
-#: what the child says once the forward of a run has run
+#: what the child says once the forward of a run has run (with the CPU seconds it took)
 _FORWARD_DONE = "forward done"
 
 #: (offset, shape, dtype) of a tensor in the shared memory, or None for a missing gradient
@@ -162,14 +168,16 @@ class EagerChild:
         if self._closed:
             return None
         self._signal(signal.SIGCONT)
+        deadline = time.monotonic()
         try:
             while True:
                 if not self._forward_done and not self._child.answered():
                     log.debug("eager child: still in a forward; eager runs here")
                     break
-                message = self._child.receive(TIMEOUT_SECONDS)
-                if message == _FORWARD_DONE:
+                message = self._child.receive(max(deadline - time.monotonic(), 0.0))
+                if message[0] == _FORWARD_DONE:
                     self._forward_done = True
+                    deadline = time.monotonic() + max(WAIT_SECONDS, WAIT_RATIO * message[1])
                     continue
                 self._forward_done = False
                 made_seed, *written = message
@@ -236,13 +244,17 @@ def _serve(
             forward,
             trainable,
             miss.has_backward,
-            forward_done=lambda: send(_FORWARD_DONE),
+            forward_done=functools.partial(_forward_done, send, time.process_time()),
             seed=seed,
         )
         written = _write(memory, end, [*outputs, *gradients], len(outputs))
         del outputs, gradients
         send((seed, *written))
         end = written[0] + written[1]
+
+
+def _forward_done(send: Callable[[Any], None], start: float) -> None:
+    send((_FORWARD_DONE, time.process_time() - start))
 
 
 def _lowest_priority() -> None:

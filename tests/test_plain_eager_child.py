@@ -171,11 +171,33 @@ def test_the_childs_runs_are_eagers_runs_here_bit_for_bit() -> None:
     assert not torch.equal(made[0][0][0], made[1][0][0])  # type: ignore[index]  # nudged
 
 
+def _scale_a_weight(model: nn.Module) -> None:
+    model.conv.weight.mul_(1.0)  # the same values, a new version
+
+
+def _step_the_statistics(model: nn.Module) -> None:
+    model.bn.running_mean.add_(0.5)
+
+
+def _restore_the_statistics(model: nn.Module) -> None:
+    model.bn.running_mean.copy_(model.bn.running_mean.clone())  # as a trace's restore does
+
+
+@pytest.mark.parametrize(
+    ("write", "stale"),
+    [(_scale_a_weight, True), (_step_the_statistics, True), (_restore_the_statistics, False)],
+)
 def test_a_state_written_since_the_fork_runs_eager_here(
-    spare_core: _Record, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    spare_core: _Record,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    write: Callable[[nn.Module], None],
+    stale: bool,
 ) -> None:
     """A parameter written in place after the child forked (a build in a thread while the
-    user trains on): the child's side is of another state, and eager runs here."""
+    user trains on), or a buffer given other values: the child's side is of another state,
+    and eager runs here. A buffer written back with its own values (a trace's restore of
+    BatchNorm's statistics) is the state the child ran from."""
     from ort_autopatch.engine.build import Builder
 
     fork = Builder._fork_eager
@@ -183,14 +205,20 @@ def test_a_state_written_since_the_fork_runs_eager_here(
     def fork_then_write(builder: Builder, miss: Any) -> None:
         fork(builder, miss)
         with torch.no_grad():
-            next(miss.module.parameters()).mul_(1.0)  # same values, a new version
+            write(miss.module)
 
     monkeypatch.setattr(Builder, "_fork_eager", fork_then_write)
     torch.manual_seed(0)
-    engine = _first_step(_Net(), torch.randn(2, 3, 8, 8), tmp_path)
+    model, x = _Net(), torch.randn(2, 3, 8, 8)
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))
+    assert ran_in_plain_ort(engine(x)[0])
     assert [v.mismatch for v in engine.verifications] == [None]
-    assert spare_core.taken == []  # stale: never asked
-    assert spare_core.here == ["run_graph", "run_eager"]
+    if stale:
+        assert spare_core.taken == []  # never asked
+        assert spare_core.here == ["run_graph", "run_eager"]
+    else:
+        assert len(spare_core.taken) == 1 and spare_core.taken[0] is not None
+        assert spare_core.here == ["run_graph"]
 
 
 class _SlowInTheChild(nn.Module):

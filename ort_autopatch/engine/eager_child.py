@@ -16,8 +16,8 @@ What it gives is what the check would have made here, on one thread instead of t
 process's (a forked child must not enter OpenMP's pool): another eager, as a run on another
 thread count is. It is used only where it can stand in for the run here:
 - the state it ran from is the state the check runs from (`fresh`: every parameter, buffer
-  and input tensor the same object, storage and version: a build in a thread while the user
-  trained on would not be);
+  and input tensor the same object and storage, unwritten since, a buffer of the same
+  values: a build in a thread while the user trained on would not be);
 - the run is done, or past its forward, when the check asks: a child still in a forward then
   is closed, and eager runs here on every thread (waiting for a child on one thread would
   cost more than it saves: a large batch, whose run outlasts the trace); one past its
@@ -86,13 +86,11 @@ class EagerChild:
     docstring; `verify.Made`): `start` forks it, `side` and `nudged` give its runs to the
     check, `close` ends it."""
 
-    def __init__(
-        self, child: sandbox.Child, memory: int, miss: Miss, stamp: list[tuple[int, int, int]]
-    ) -> None:
+    def __init__(self, child: sandbox.Child, memory: int, miss: Miss, state: _State) -> None:
         self._child = child
         self._memory = memory  # the memfd the child fills
         self.miss = miss
-        self._stamp = stamp
+        self._state = state  # what the child ran from
         self._forward_done = False  # the child is past the forward of the run it makes now
         self._closed = False
 
@@ -113,6 +111,7 @@ class EagerChild:
             log.debug("eager child: not forked while thread %r works", busy)
             return None
         trainable = verify.trainable_of(miss.state, miss.has_backward)
+        state = _State(miss)
         try:
             memory = os.memfd_create("ort_autopatch-eager")
         except (OSError, AttributeError):  # no memfd here (an old kernel, a seccomp filter)
@@ -128,12 +127,12 @@ class EagerChild:
         if child is None:
             os.close(memory)
             return None
-        return cls(child, memory, miss, _stamp(tensors))
+        return cls(child, memory, miss, state)
 
     def fresh(self) -> bool:
         """Whether the state the child ran from is the state the call has now: every tensor
         the same, unwritten since (closed when not)."""
-        if self._closed or _stamp(_tensors(self.miss)) != self._stamp:
+        if self._closed or not self._state.holds(self.miss):
             self.close()
             return False
         return True
@@ -202,10 +201,41 @@ def _tensors(miss: Miss) -> list[torch.Tensor]:
     return [*miss.state.tensors, *miss.call.tensors]
 
 
-def _stamp(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """Each tensor's identity, storage and version: what an in-place write or a swap of
-    `.data` changes."""
-    return [(id(t), t.data_ptr(), t._version) for t in tensors]
+class _State:
+    """The state a child runs from: each tensor's identity and storage, a parameter's and an
+    input's version, a buffer's values. A buffer is compared by value: a trace writes
+    BatchNorm's statistics and puts them back (`calls.preserved_state`, the count run made
+    here), which moves the versions and leaves the values."""
+
+    def __init__(self, miss: Miss) -> None:
+        self.where = _where(miss)
+        self.versions = [t._version for t in _versioned(miss)]
+        self.buffers = [b.detach().clone() for b in _buffers(miss)]
+
+    def holds(self, miss: Miss) -> bool:
+        """Whether `miss`'s tensors are still those, unwritten (buffers: of those values)."""
+        return (
+            _where(miss) == self.where
+            and [t._version for t in _versioned(miss)] == self.versions
+            and all(
+                torch.equal(b, saved) for b, saved in zip(_buffers(miss), self.buffers, strict=True)
+            )
+        )
+
+
+def _where(miss: Miss) -> list[tuple[int, int]]:
+    return [(id(t), t.data_ptr()) for t in _tensors(miss)]
+
+
+def _versioned(miss: Miss) -> list[torch.Tensor]:
+    """The parameters and the call's tensors."""
+    return [*miss.state.params, *miss.call.tensors]
+
+
+def _buffers(miss: Miss) -> list[torch.Tensor]:
+    return [
+        t for t, param in zip(miss.state.tensors, miss.state.is_param, strict=True) if not param
+    ]
 
 
 def _fits(tensors: Sequence[torch.Tensor]) -> bool:

@@ -408,3 +408,20 @@ def test_a_forward_past_the_node_limit_counted_by_the_eager_child_stops_the_buil
     assert time.perf_counter() - start < 20
     pids = counted()
     assert len(pids) == 1 and pids[0] != PARENT, pids
+
+
+def test_tensors_the_child_cannot_stamp_leave_eager_here(
+    spare_core: _Record, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor whose storage cannot be read (a subclass without storage of its own): no
+    child, and the build goes on with eager's runs here."""
+
+    def no_storage(miss: Any) -> Any:
+        raise RuntimeError("injected: this tensor has no storage")
+
+    monkeypatch.setattr(eager_child, "_where", no_storage)
+    torch.manual_seed(0)
+    engine = _first_step(_Net(), torch.randn(2, 3, 8, 8), tmp_path)
+    assert [v.mismatch for v in engine.verifications] == [None]
+    assert spare_core.taken == []
+    assert spare_core.here == ["run_graph", "run_eager"]

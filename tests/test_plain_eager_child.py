@@ -364,13 +364,23 @@ def test_no_child_runs_a_forward_where_torch_distributed_is_initialised(
 def _kept_lowering_child(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Callable[[], list[int]]:
     """A lowering child kept as the import hook's prestarted one is (forked before the call:
     it cannot count it); the processes that made a count run, by pid."""
+    from ort_autopatch.engine import budget
     from ort_autopatch.engine.backends.ort import offload
-    from tests.test_plain_offload import _counted_where
 
     lowerer = offload.Lowerer.spawn()
     assert lowerer is not None
     lowerer.release()
-    return _counted_where(monkeypatch, tmp_path)
+    log = tmp_path / "counted"
+    log.write_text("")
+    count_run = budget.count_run
+
+    def noted(run: Callable[[], object]) -> None:
+        with log.open("a") as out:
+            out.write(f"{os.getpid()}\n")
+        count_run(run)
+
+    monkeypatch.setattr(budget, "count_run", noted)
+    return lambda: [int(line) for line in log.read_text().split()]
 
 
 def test_beside_a_kept_lowering_child_the_eager_child_makes_the_count_run(

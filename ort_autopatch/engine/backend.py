@@ -155,13 +155,10 @@ class Progress(Protocol):
         symbolic trace failed; `cause`: where the model's code fixed them, or "")."""
         ...
 
-    def core_free(self, first: Callable[[], Any] | None = None) -> Callable[[bool], Any] | None:
+    def core_free(self) -> None:
         """A core is spare beside this process for the next seconds (the backend's helper
         has it, idle while this process traces): the engine may use it for the build's
-        other work (`eager_child`: the first-call check's eager runs), after `first()` (the
-        backend's count run, for a child forked now). Returns how to ask for `first()`'s
-        value, `result(wait)`: the value, or None (not come yet without `wait`, or the
-        child failed first); None where nothing takes `first`."""
+        other work (`eager_child`: the first-call check's eager side)."""
         ...
 
 

@@ -11,7 +11,6 @@ its build lock and files the entry in its cache.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
 import threading
@@ -19,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -141,7 +139,7 @@ class Builder:
                     return entry
             known = len(self.backend.hazards)
             if self.backend.verifies_first_call:
-                progress.on_core_free = functools.partial(self._fork_eager, miss)
+                progress.on_core_free = lambda: self._fork_eager(miss)
             try:
                 recipe, export_seconds = self.backend.build(miss, progress)
             finally:  # a refused trace (data-dependent, say) found hazards too
@@ -290,16 +288,11 @@ class Builder:
         outcome.per_shape, outcome.cause = self.learned.per_shape, self.learned.cause
         return outcome
 
-    def _fork_eager(
-        self, miss: Miss, first: Callable[[], Any] | None = None
-    ) -> Callable[[bool], Any] | None:
-        """A child making `miss`'s eager runs for the first-call check on the core the
-        backend found spare, after `first()` (`eager_child`), where one may be forked; how
-        to ask for `first()`'s value (`Progress.core_free`)."""
-        if self._eager is not None:
-            return None
-        self._eager = eager_child.EagerChild.start(miss, self.backend.forward, first)
-        return self._eager.first if self._eager is not None and first is not None else None
+    def _fork_eager(self, miss: Miss) -> None:
+        """A child making `miss`'s eager side of the first-call check on the core the backend
+        found spare (`eager_child`), where one may be forked."""
+        if self._eager is None:
+            self._eager = eager_child.EagerChild.start(miss, self.backend.forward)
 
     def _check_first_call(self, entry: Entry, miss: Miss) -> None:
         """The call that built the graph, through the graph and eagerly (`verify`; eager's
@@ -426,17 +419,15 @@ class _Progress:
         self.phase = "export"
         self._learned = learned
         #: what the builder does with a spare core (`core_free`), while the backend builds
-        self.on_core_free: Callable[[Callable[[], Any] | None], Any] | None = None
+        self.on_core_free: Callable[[], None] | None = None
 
     def specialises(self, cause: str = "") -> None:
         self._learned.per_shape = True
         self._learned.cause = self._learned.cause or cause
 
-    def core_free(self, first: Callable[[], Any] | None = None) -> Callable[[bool], Any] | None:
-        if self.on_core_free is None:
-            return None
-        result: Callable[[bool], Any] | None = self.on_core_free(first)
-        return result
+    def core_free(self) -> None:
+        if self.on_core_free is not None:
+            self.on_core_free()
 
 
 @contextmanager

@@ -10,9 +10,7 @@ is spare (`Progress.core_free`), the builder forks a child that makes eager's ru
 traces; the check asks for them after the graph's own run (`verify.Made`). The child makes
 the plain run, then the first seed's run of eager's spread, which the check needs where the
 strict comparison fails (BatchNorm's models: ResNet-50 on every first call): a run made for
-nothing costs a core that was idle. Before them, at the usual priority, it makes what the
-backend asks first (`first`): the build's count run, where the lowering child was forked
-before the call (the import hook's, kept for the first build) and cannot make it.
+nothing costs a core that was idle.
 
 What it gives is what the check would have made here, on one thread instead of the
 process's (a forked child must not enter OpenMP's pool): another eager, as a run on another
@@ -76,12 +74,6 @@ ALIGN = 64
 #: first: the one that covers a graph where any does, on ResNet-50).
 SEED = verify.NUDGE_SEEDS[0]
 
-#: How long the trace's end waits for `first()`'s value (the count run: a forward at the
-#: child's first priority; `offload.TIMEOUT_SECONDS`, as for the lowering child's count).
-FIRST_TIMEOUT_SECONDS = 300.0
-
-#: what the child's first message carries: `first()`'s value
-_FIRST = "first"
 #: what the child says once the forward of a run has run (with the CPU seconds it took)
 _FORWARD_DONE = "forward done"
 
@@ -94,26 +86,19 @@ class EagerChild:
     docstring; `verify.Made`): `start` forks it, `side` and `nudged` give its runs to the
     check, `close` ends it."""
 
-    def __init__(
-        self, child: sandbox.Child, memory: int, miss: Miss, state: _State, first: bool
-    ) -> None:
+    def __init__(self, child: sandbox.Child, memory: int, miss: Miss, state: _State) -> None:
         self._child = child
         self._memory = memory  # the memfd the child fills
         self.miss = miss
         self._state = state  # what the child ran from
-        self._first_pending = first  # `first()`'s value, the child's first message, unread
-        self._first: Any = None
         self._forward_done = False  # the child is past the forward of the run it makes now
         self._closed = False
 
     @classmethod
-    def start(
-        cls, miss: Miss, forward: Callable[..., Any], first: Callable[[], Any] | None = None
-    ) -> EagerChild | None:
+    def start(cls, miss: Miss, forward: Callable[..., Any]) -> EagerChild | None:
         """A child making `miss`'s eager runs (`forward(module, *args, **kwargs)`, a training
-        call's backward included), after `first()` (the backend's count run, at the child's
-        first priority: `first` tells its value); None where none may be forked (see the
-        module's docstring)."""
+        call's backward included); None where none may be forked (see the module's
+        docstring)."""
         tensors = _tensors(miss)
         if not sandbox.available() or sandbox.collective_possible():
             return None
@@ -137,7 +122,7 @@ class EagerChild:
             return None
 
         def serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
-            _serve(send, memory, miss, forward, trainable, first)
+            _serve(send, memory, miss, forward, trainable)
 
         try:
             child = sandbox.Child.spawn(serve)
@@ -146,7 +131,7 @@ class EagerChild:
         if child is None:
             os.close(memory)
             return None
-        return cls(child, memory, miss, state, first is not None)
+        return cls(child, memory, miss, state)
 
     def fresh(self) -> bool:
         """Whether the state the child ran from is the state the call has now: every tensor
@@ -158,18 +143,6 @@ class EagerChild:
         if not holds:
             self.close()
         return holds
-
-    def first(self, wait: bool) -> Any:
-        """`first()`'s value, once the child has sent it (without `wait`, None until then);
-        None where the child failed before."""
-        if self._first_pending and not self._closed and (wait or self._child.answered()):
-            self._first_pending = False
-            try:
-                self._first = self._child.receive(FIRST_TIMEOUT_SECONDS)[1]
-            except (sandbox.ChildError, TimeoutError, EOFError, OSError) as exc:
-                log.debug("eager child: failed before its first answer (%s)", exc)
-                self.close()
-        return self._first
 
     def pause(self) -> None:
         """Stop the child while this process runs the graph on every core (it goes on when
@@ -201,10 +174,9 @@ class EagerChild:
         if self._closed:
             return None
         self._signal(signal.SIGCONT)
-        self.first(wait=True)  # (read past, where the trace never asked)
         deadline = time.monotonic()
         try:
-            while not self._closed:
+            while True:
                 if not self._forward_done and not self._child.answered():
                     log.debug("eager child: still in a forward; eager runs here")
                     break
@@ -292,20 +264,15 @@ def _serve(
     miss: Miss,
     forward: Callable[..., Any],
     trainable: Sequence[torch.Tensor],
-    first: Callable[[], Any] | None,
 ) -> None:
-    """The child: `first()`, whose value it sends, then at the lowest priority eager's plain
-    run of `miss` and its run for `SEED`'s spread (the check asks for it where the plain
-    comparison fails: BatchNorm's models), each written to `memory` after the last, with its
-    places sent."""
+    """The child: eager's plain run of `miss`, then its run for `SEED`'s spread (the check
+    asks for it where the plain comparison fails: BatchNorm's models), each written to
+    `memory` after the last, with its places sent."""
     # one thread: ATen's parallel loops run inline, never entering an OpenMP region, whose
     # thread pool (libgomp's) does not survive a fork
     torch.set_num_threads(1)
-    calls.EXPORT_LOCK = threading.RLock()  # maybe held at the fork by another thread
-    if first is not None:
-        send((_FIRST, first()))  # the trace waits for it at its end
-        del first
     _lowest_priority()
+    calls.EXPORT_LOCK = threading.RLock()  # maybe held at the fork by another thread
     end = 0
     for seed in (None, SEED):
         outputs, gradients = verify.eager_side(

@@ -258,14 +258,9 @@ class OrtBackend(Backend):
         grads = [p.grad for p in params if p.grad is not None]
         shared = [*params, *grads, *module.buffers(), *call.tensors]
         lowerer = offload.Lowerer.start(count, anyway, shared)
-        counted = lowerer.verdict(cls) if lowerer is not None and lowerer.counts else None
         if lowerer is not None:  # the child's core idles once its imports are done
-            # a child kept from an earlier build cannot count this call: the engine's child
-            # for the check's eager runs, forked now, counts first (else it is counted here)
-            aside = count if counted is None else None
-            made = progress.core_free(None if aside is None else offload.counting(aside))
-            if made is not None:
-                counted = offload.verdict(cls, made)
+            progress.core_free()
+        counted = lowerer.verdict(cls) if lowerer is not None and lowerer.counts else None
         graphs = None
         try:
             runtime.load(training=False)

@@ -9,12 +9,10 @@ their ONNX bytes. This process then never imports the exporter or onnx for that 
 its imports, a child forked for a build also makes that build's count run (`budget.count_run`:
 forward on the call's CPU tensors, its operators counted against the node limit), which this
 process would otherwise make before its trace: its verdict is the child's first answer, asked
-for while the trace runs (`budget.counted_aside`). A child kept from before the call cannot
-count it: the engine's child for the first-call check's eager runs, forked at the build,
-counts first then (`counting`, `verdict`, `eager_child`). Only where a core is free: on a
-busy machine the child's own CPU costs more than the overlap gains (`_core_to_spare`). The
-child then stays for the process's next build while builds keep coming (`Lowerer.release`,
-`IDLE_SECONDS`): a second class, shape or mode pays no import.
+for while the trace runs (`budget.counted_aside`). Only where a core is free: on a busy machine
+the child's own CPU costs more than the overlap gains (`_core_to_spare`). The child then stays
+for the process's next build while builds keep coming (`Lowerer.release`, `IDLE_SECONDS`): a
+second class, shape or mode pays no import.
 
 The decomposition table the trace needs depends on what torchlib translates, which the child
 knows only once its imports are done (1.5 s of a fresh process, most of the first call): the
@@ -113,31 +111,6 @@ def _count(count: Callable[[], None]) -> _Counted:
 
         return _Counted(failed=capture.describe(exc))
     return _Counted()
-
-
-def counting(count: Callable[[], None]) -> Callable[[], _Counted]:
-    """`count` made to give its verdict as a value, for another child to make (`verdict`
-    reads it: `eager_child`, forked where this module's child was forked before the call)."""
-    return functools.partial(_count, count)
-
-
-def verdict(cls: str, counted: Callable[[bool], _Counted | None]) -> Callable[[bool], None]:
-    """`budget.counted_aside`'s question for a count run made in a child (`counted(wait)`:
-    its `_Counted`, or None before it has come or where the child failed first): the
-    count's refusal, raised as the count made here would raise it."""
-
-    def ask(wait: bool) -> None:
-        made = counted(wait)
-        if made is None:
-            return
-        if made.over is not None:
-            raise BuildOverBudget(cls, made.over, budget.REMEDY)
-        if made.failed is not None:
-            from ort_autopatch.engine.backends.ort import capture
-
-            raise capture.untraceable(cls, made.failed)
-
-    return ask
 
 
 @dataclass(frozen=True)
@@ -734,11 +707,19 @@ class Lowerer:
         """`budget.counted_aside`'s question for the child's count run of `cls`'s call: its
         refusal, raised as the count made here would raise it."""
 
-        def counted(wait: bool) -> _Counted | None:
+        def verdict(wait: bool) -> None:
             self._read_count(wait)
-            return self._counted if self.counts else None
+            counted = self._counted
+            if counted is None or not self.counts:
+                return
+            if counted.over is not None:
+                raise BuildOverBudget(cls, counted.over, budget.REMEDY)
+            if counted.failed is not None:
+                from ort_autopatch.engine.backends.ort import capture
 
-        return verdict(cls, counted)
+                raise capture.untraceable(cls, counted.failed)
+
+        return verdict
 
     @staticmethod
     def expected() -> frozenset[Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -112,8 +111,8 @@ class Quiet:
     def specialises(self, cause: str = "") -> None:
         pass
 
-    def core_free(self, first: Callable[[], Any] | None = None) -> Callable[[bool], Any] | None:
-        return None
+    def core_free(self) -> None:
+        pass
 
 
 def input_shapes(recipe: Recipe, call: FlatCall) -> dict[str, tuple[int, ...]]:

@@ -243,7 +243,6 @@ TORCH_215_TESTS = (
     "tests/test_plain_norms.py",
     "tests/test_plain_convolutions.py",
     "tests/test_plain_linears.py",
-    "tests/test_plain_eager_child.py",
     "tests/test_plain_backend.py",
     "tests/test_onnx_passes.py",
     "tests/test_stages.py",

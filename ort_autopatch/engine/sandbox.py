@@ -352,6 +352,7 @@ class Child:
         self._to_child = to_child
         self._from_child = from_child
         self._reader = _Reader(from_child)
+        self._closed = False
 
     @classmethod
     def spawn(
@@ -428,6 +429,9 @@ class Child:
         """End the child (if still running) and reap it in the background: its exit unmaps
         its share of this process's memory, which need not be waited for (`reap=False`: not
         reaped, a zombie until this process ends)."""
+        if self._closed:  # its descriptors' numbers may belong to other files by now
+            return
+        self._closed = True
         for fd in (self._to_child, self._from_child):
             try:
                 os.close(fd)

@@ -445,3 +445,25 @@ def test_a_crashed_gradient_build_falls_back_with_the_reason(
     assert stats.ort_calls == 0
     (_, detail), _ = next(iter(stats.fallbacks.items()))
     assert "gradient builder crashed" in detail and "SIGABRT" in detail, stats.fallbacks
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="children are forked")
+def test_closing_a_child_twice_leaves_files_opened_since_alone(tmp_path: Any) -> None:
+    """A child's pipes are closed once: a second close (a kept child closed by its timer and
+    by a clean-up) must not close whatever file has taken their descriptor numbers since."""
+
+    def serve(receive: Callable[[], Any], send: Callable[[Any], None]) -> None:
+        send("ready")
+
+    child = sandbox.Child.spawn(serve)
+    assert child is not None
+    assert child.receive(60) == "ready"
+    child.close()
+    opened = [os.open(tmp_path / f"f{k}", os.O_CREAT | os.O_RDWR) for k in range(2)]
+    try:
+        child.close()
+        for fd in opened:
+            os.fstat(fd)  # raises if the second close took it
+    finally:
+        for fd in opened:
+            os.close(fd)

@@ -172,7 +172,7 @@ def refusal(device: torch.device) -> str | None:
         return f"the graph is for {device.type}"
     if torch.cuda.is_initialized():
         return "CUDA is initialised (it does not survive a fork)"
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if sandbox.collective_possible():
         return "torch.distributed is initialised (ranks would train on different paths)"
     busy = sandbox.working_thread()
     if busy is not None:

@@ -395,3 +395,23 @@ def test_tensors_the_child_cannot_stamp_leave_eager_here(
     assert [v.mismatch for v in engine.verifications] == [None]
     assert spare_core.taken == []
     assert spare_core.here == ["run_graph", "run_eager"]
+
+
+def test_an_inference_calls_check_takes_eagers_outputs_from_the_child(
+    spare_core: _Record, tmp_path: Any
+) -> None:
+    """A call without gradients (under no_grad, eval mode): the child's run is outputs
+    alone, and they stand for eager's here."""
+    torch.manual_seed(0)
+    model, x = _Net().eval(), torch.randn(2, 3, 8, 8)
+    eager = copy.deepcopy(model)
+    engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=tmp_path))
+    with torch.no_grad():
+        out, expected = engine(x), eager(x)
+    for a, e in zip(out, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    assert [r.has_backward for r in engine.records] == [False]
+    assert [v.mismatch for v in engine.verifications] == [None]
+    (side,) = spare_core.taken
+    assert side is not None and len(side[0]) == 2 and side[1] == []
+    assert spare_core.here == ["run_graph"]

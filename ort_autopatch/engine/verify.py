@@ -33,6 +33,10 @@ A wrong graph is as far off the float64 values as off eager's and is still refus
 reference costs one float64 run, only on such calls, and none for models past
 `REFERENCE_BYTES`.
 
+The plain backend's check of each graph's first call is this comparison too; its eager runs
+(the plain one and the first seed's) may come from a child that made them from the same state
+while the graph was traced (`Made`, `eager_child`), and are made here wherever it did not.
+
 Graphs with random operators (dropout with p > 0, random fills) draw from ONNX Runtime's
 generator, not PyTorch's: their numbers cannot equal eager's bit for bit, so such calls are
 reported as not verified, with the operators named.

@@ -82,7 +82,12 @@ class _Record:
         import time
 
         deadline = time.monotonic() + 120
-        while self.patient and not child._child.answered() and time.monotonic() < deadline:
+        while (
+            self.patient
+            and not child._closed  # (its pipes' numbers may be another file's by now)
+            and not child._child.answered()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
 
 
@@ -415,3 +420,60 @@ def test_an_inference_calls_check_takes_eagers_outputs_from_the_child(
     (side,) = spare_core.taken
     assert side is not None and len(side[0]) == 2 and side[1] == []
     assert spare_core.here == ["run_graph"]
+
+
+def test_a_build_after_a_backward_takes_eagers_side_from_the_child(
+    spare_core: _Record, tmp_path: Any
+) -> None:
+    """A second module's first call, after the first one's backward: its child runs a
+    backward too (autograd's engine was not started by the first trace's backward on fake
+    tensors, whose threads forbid one in a forked child)."""
+    torch.manual_seed(0)
+    _first_step(_Net(), torch.randn(2, 3, 8, 8), tmp_path / "first")
+    engine = _first_step(_Net(), torch.randn(2, 3, 8, 8), tmp_path / "second")
+    assert [v.mismatch for v in engine.verifications] == [None]
+    assert len(spare_core.taken) == 2 and all(side is not None for side in spare_core.taken)
+    assert spare_core.here == ["run_graph", "run_graph"]
+
+
+_USERS_FORK = """
+import os, sys
+import torch
+from torch import nn
+from ort_autopatch.engine import EngineOptions, ModuleEngine
+from tests.plain_helpers import ran_in_plain_ort
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=sys.argv[1]))
+out = engine(torch.randn(3, 4))
+assert ran_in_plain_ort(out), "the call ran eagerly"
+pid = os.fork()
+if pid == 0:  # a Hogwild trainer's worker: a backward of its own
+    try:
+        x = torch.ones(2, requires_grad=True)
+        (x * 3).sum().backward()
+        os._exit(0 if x.grad.tolist() == [3.0, 3.0] else 2)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        os._exit(1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_the_user_forks_after_a_first_call_runs_a_backward(tmp_path: Any) -> None:
+    """The trace of a first call leaves autograd as the user's first backward would have:
+    a child forked after it (a Hogwild trainer's worker) can still run a backward. (torch
+    2.14's and 2.15's PyPI wheels refused it once a trace's backward on fake tensors had
+    started autograd's device threads.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _USERS_FORK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ORT_AUTOPATCH_BACKEND": "ort", "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

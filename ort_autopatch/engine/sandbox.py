@@ -62,6 +62,30 @@ def collective_possible() -> bool:
     return dist is not None and bool(dist.is_available() and dist.is_initialized())
 
 
+def autograd_forkable() -> None:
+    """Start autograd's engine on the CPU, once per process, before a trace runs a backward on
+    fake tensors (aot_autograd's joint trace). A process's first backward decides once
+    whether the engine starts device threads, and a first backward on fake tensors starts
+    them where a real one on CPU tensors does not: 8 threads on a machine without a GPU,
+    with torch 2.14's and 2.15's PyPI wheels (CUDA builds; 2.13's CPU build starts none).
+    From then on no forked child may run a backward (torch's "Unable to handle autograd's
+    threading in combination with fork-based multiprocessing"): not the first-call check's
+    eager child, nor the user's own (a Hogwild trainer's), which without the tool would
+    have come after the user's first backward, on real tensors. Started here on one real
+    CPU tensor, the engine starts as the user's own backward would have started it."""
+    global _autograd_started
+    if _autograd_started:
+        return
+    _autograd_started = True
+    import torch
+
+    with torch.enable_grad():
+        torch.zeros((), requires_grad=True).backward()
+
+
+_autograd_started = False
+
+
 #: Threads of this package's own (progress, reaping, the kept child's timer): none holds a
 #: lock the child takes.
 OWN_THREADS = "ort_autopatch-"

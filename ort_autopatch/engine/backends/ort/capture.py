@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine import budget, calls, tracing
+from ort_autopatch.engine import budget, calls, sandbox, tracing
 from ort_autopatch.engine.backends.ort import (
     aliasing,
     draws,
@@ -212,6 +212,7 @@ def capture(
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import is_fake
 
+    sandbox.autograd_forkable()  # before aot's backward on fake tensors
     flat = _Flat(module, forward, spec)
     symbolic = any(map(is_fake, tensors))  # symbolic sizes: `symbolic.fake_inputs`
     try:

@@ -79,8 +79,11 @@ def autograd_forkable() -> None:
     _autograd_started = True
     import torch
 
-    with torch.enable_grad():
-        torch.zeros((), requires_grad=True).backward()
+    try:
+        with torch.enable_grad():
+            torch.zeros((), requires_grad=True).backward()
+    except RuntimeError:  # a child forked after the threads started: its trace says so
+        pass
 
 
 _autograd_started = False

@@ -62,6 +62,10 @@ def collective_possible() -> bool:
     return dist is not None and bool(dist.is_available() and dist.is_initialized())
 
 
+#: `autograd_forkable` has run in this process (a forked child inherits it)
+_autograd_started = False
+
+
 def autograd_forkable() -> None:
     """Start autograd's engine on the CPU, once per process, before a trace runs a backward on
     fake tensors (aot_autograd's joint trace). A process's first backward decides once
@@ -76,7 +80,6 @@ def autograd_forkable() -> None:
     global _autograd_started
     if _autograd_started:
         return
-    _autograd_started = True
     import torch
 
     try:
@@ -84,9 +87,9 @@ def autograd_forkable() -> None:
             torch.zeros((), requires_grad=True).backward()
     except RuntimeError:  # a child forked after the threads started: its trace says so
         pass
-
-
-_autograd_started = False
+    # set once the backward is done: a thread that finds it set traces after it (two
+    # threads' first traces at once may both run it, which costs nothing)
+    _autograd_started = True
 
 
 #: Threads of this package's own (progress, reaping, the kept child's timer): none holds a

@@ -7,6 +7,9 @@ from ONNX Runtime's generator, is checked by its statistics, reproducibility and
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -570,3 +573,50 @@ def test_bert_for_sequence_classification_parity(attn_implementation: str) -> No
     run = assert_training_parity(model, inputs, loss_fn=loss, optimizer="sgd", lr=1e-2, steps=STEPS)
     assert run.engine_model.config._attn_implementation == attn_implementation
     _assert_every_kind_of_graph_ran(run)
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's process after a build: a forked child of its own runs a backward
+_USERS_FORK = """
+import os, sys
+import torch
+from torch import nn
+from ort_autopatch.engine import EngineOptions, ModuleEngine
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+options = EngineOptions(backend=sys.argv[2], threads=1, cache_dir=sys.argv[1])
+engine = ModuleEngine(model, options)
+out = engine(torch.randn(3, 4))
+assert type(out.grad_fn).__name__ == "GraphFunctionBackward", "the call ran eagerly"
+assert engine.builds == 1
+pid = os.fork()
+if pid == 0:  # a Hogwild trainer's worker: a backward of its own
+    try:
+        x = torch.ones(2, requires_grad=True)
+        (x * 3).sum().backward()
+        os._exit(0 if x.grad.tolist() == [3.0, 3.0] else 2)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        os._exit(1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the user's child is forked")
+@pytest.mark.skipif(
+    backend.resolve() not in ("ort", "ort-training"), reason="a build of ONNX Runtime's"
+)
+def test_a_child_the_user_forks_after_a_first_call_runs_a_backward(tmp_path: Any) -> None:
+    """A first call's build leaves autograd as the user's first backward would have: a child
+    forked after it (a Hogwild trainer's worker) can still run a backward, on either backend.
+    (The plain backend's trace, a backward on fake tensors, started autograd's device threads
+    on torch 2.14's and 2.15's PyPI wheels, after which a forked child's backward raised.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", _USERS_FORK, str(tmp_path), backend.resolve()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,16 +82,16 @@ class _Record:
         monkeypatch.setattr(eager_child.EagerChild, "nudged", recorded_nudged)
 
     def _wait(self, child: eager_child.EagerChild) -> None:
-        import time
+        if self.patient:
+            _until_answered(child, 120)
 
-        deadline = time.monotonic() + 120
-        while (
-            self.patient
-            and not child._closed  # (its pipes' numbers may be another file's by now)
-            and not child._child.answered()
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.01)
+
+def _until_answered(child: eager_child.EagerChild, seconds: float) -> None:
+    """Wait until `child` has said something (a run, its forward done, a failure), is closed
+    (its pipes' numbers may be another file's by now), or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while not child._closed and not child._child.answered() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -159,7 +162,6 @@ def test_the_childs_runs_are_eagers_runs_here_bit_for_bit(normal_priority: None)
     """The plain run and the first seed's nudged run: outputs and gradients (None for the
     unused parameter; none of the frozen layer) equal those `verify.eager_side` makes here
     on the same thread count from the same state, which the child leaves as it was."""
-    import time
 
     torch.manual_seed(0)
     model, x = _Net(), torch.randn(2, 3, 8, 8)
@@ -170,9 +172,7 @@ def test_the_childs_runs_are_eagers_runs_here_bit_for_bit(normal_priority: None)
     made: list[verify.Side | None] = []
     try:
         for take in (child.side, lambda: child.nudged(eager_child.SEED)):
-            deadline = time.monotonic() + 60
-            while not child._closed and not child._child.answered() and time.monotonic() < deadline:
-                time.sleep(0.01)  # past its forward: asked now, it waits for the rest
+            _until_answered(child, 60)  # past its forward: asked now, it waits for the rest
             made.append(take())
     finally:
         child.close()
@@ -257,15 +257,12 @@ class _SlowInTheChild(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if os.getpid() != PARENT:
-            import time
-
             time.sleep(60)
         y = self.lin(x)
         return y, y.sum()
 
 
 def _slow_gradient(gradient: torch.Tensor) -> torch.Tensor:
-    import time
 
     time.sleep(60)
     return gradient
@@ -305,7 +302,6 @@ def test_a_slow_or_failed_child_leaves_eager_here(
     one thread would cost more than the run here); one past its forward is waited for about
     as long as its backward should take (a starved child would stall the call), then
     closed; a failed child gives nothing. Each way eager runs here and the check holds."""
-    import time
 
     from ort_autopatch.engine.backends.ort import offload
 
@@ -445,56 +441,10 @@ def test_a_build_after_a_backward_takes_eagers_side_from_the_child(
     assert spare_core.here == ["run_graph", "run_graph"]
 
 
-_USERS_FORK = """
-import os, sys
-import torch
-from torch import nn
-from ort_autopatch.engine import EngineOptions, ModuleEngine
-from tests.plain_helpers import ran_in_plain_ort
-
-model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-engine = ModuleEngine(model, EngineOptions(backend="ort", threads=1, cache_dir=sys.argv[1]))
-out = engine(torch.randn(3, 4))
-assert ran_in_plain_ort(out), "the call ran eagerly"
-pid = os.fork()
-if pid == 0:  # a Hogwild trainer's worker: a backward of its own
-    try:
-        x = torch.ones(2, requires_grad=True)
-        (x * 3).sum().backward()
-        os._exit(0 if x.grad.tolist() == [3.0, 3.0] else 2)
-    except RuntimeError as exc:
-        print(exc, file=sys.stderr, flush=True)
-        os._exit(1)
-_, status = os.waitpid(pid, 0)
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
-def test_a_child_the_user_forks_after_a_first_call_runs_a_backward(tmp_path: Any) -> None:
-    """The trace of a first call leaves autograd as the user's first backward would have:
-    a child forked after it (a Hogwild trainer's worker) can still run a backward. (torch
-    2.14's and 2.15's PyPI wheels refused it once a trace's backward on fake tensors had
-    started autograd's device threads.)"""
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", _USERS_FORK, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "ORT_AUTOPATCH_BACKEND": "ort", "PYTHONPATH": os.getcwd()},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
 def test_the_child_runs_on_cpu_time_nobody_else_wants() -> None:
     """`_lowest_priority`, as the child calls it: Linux's idle scheduling class (where the
     kernel has it), niced besides. Read from here: at the idle class, the process itself
     may get no CPU to report it while other processes keep the cores busy."""
-    import subprocess
-    import sys
-    import time
 
     code = (
         "import os, sys; from ort_autopatch.engine import eager_child; "

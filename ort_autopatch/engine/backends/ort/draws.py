@@ -22,7 +22,6 @@ capture drops it with the comparison (`drop_unread_draws`, the pass `passes.JOIN
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,23 +74,21 @@ class _Comparisons(TorchFunctionMode):
 
 class Decisions:
     """What one trace decided: whether any branch on a draw was answered (the draw then
-    stays unread in the graph)."""
+    stays unread in the graph). `deciding()` is entered around each run of the user's
+    forward in the trace (torch function modes are per thread), not around the whole trace:
+    aot's own machinery, its backward above all, calls torch functions in Python by the ten
+    thousand, none of them a user's branch."""
 
-    def __init__(self, mode: _Comparisons) -> None:
-        self._mode = mode
+    def __init__(self) -> None:
+        self._mode = _Comparisons()
 
     @property
     def any(self) -> bool:
         return self._mode.decided > 0
 
-
-@contextlib.contextmanager
-def decided() -> Iterator[Decisions]:
-    """Decide branches on uniform draws, as above, in this thread's trace (torch function
-    modes are per thread)."""
-    mode = _Comparisons()
-    with mode:
-        yield Decisions(mode)
+    def deciding(self) -> contextlib.AbstractContextManager[Any]:
+        """Decide branches on uniform draws, as above, while the block runs."""
+        return self._mode
 
 
 def drop_unread_draws(gm: torch.fx.GraphModule) -> bool:

@@ -87,6 +87,124 @@ def test_a_graph_that_differs_from_eager_at_its_first_call_is_not_used(
         assert torch.equal(value, before[name]), f"{name} changed by the refused call"
 
 
+def _first_call(
+    monkeypatch: pytest.MonkeyPatch, model: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, list[str]]:
+    """`model`'s first call through the engine, and the graph runs it made."""
+    from ort_autopatch.engine import entry
+
+    runs: list[str] = []
+    original = entry.Entry.run
+
+    def counted(self: entry.Entry, state: object, call: object, *args: object) -> object:
+        own = call.tensors[0] is x  # type: ignore[attr-defined]
+        runs.append("own" if own else "copy")
+        return original(self, state, call, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(entry.Entry, "run", counted)
+    return ModuleEngine(model, PLAIN)(x), runs
+
+
+def test_the_call_that_builds_a_graph_is_the_checks_run_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first-call check runs the graph on the call's own input and, once it matches
+    eager, that run is the call's result: forward runs once, BatchNorm's statistics move
+    once, the user's backward goes through that run's graph (the check's backward fired no
+    hook of the user's), and a second backward raises as eager's does."""
+    model, eager = _net(), _net()
+    seen: list[torch.Tensor] = []
+    model[0].weight.register_hook(seen.append)
+    x = torch.randn(5, 6)
+    out, runs = _first_call(monkeypatch, model, x)
+    expected = eager(x)
+    assert runs == ["own"]
+    assert ran_in_plain_ort(out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert len(seen) == 1
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+
+
+def test_a_first_call_whose_input_requires_grad_runs_the_graph_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check takes the input's gradient too, which the user's backward must be the
+    first to see: the check runs on a copy, and the call runs the graph itself."""
+    model, eager = _net(), _net()
+    x = torch.randn(5, 6, requires_grad=True)
+    out, runs = _first_call(monkeypatch, model, x)
+    assert runs == ["copy", "own"]
+    x_eager = x.detach().clone().requires_grad_()
+    expected = eager(x_eager)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-4, atol=1e-6)
+    for a, b in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Doubling(nn.Module):
+    """Writes into its input before its layer reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.linear(x)
+
+
+def test_a_first_call_whose_graph_writes_its_input_writes_it_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check's run wrote the caller's tensor: it is put back, and the call runs the
+    graph itself, so the input is doubled once, as eager doubles it."""
+    x = torch.randn(5, 6)
+    x_eager = x.clone()
+    out, runs = _first_call(monkeypatch, _Doubling(), x)
+    expected = _Doubling()(x_eager)
+    assert runs == ["own", "own"]
+    assert ran_in_plain_ort(out)
+    torch.testing.assert_close(x, x_eager)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_call_under_saved_tensor_hooks_runs_the_graph_under_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The build runs outside the caller's saved-tensor hooks (offloading, checkpointing):
+    its check's run saved nothing through them, so the call runs the graph itself, whose
+    saved tensors the hooks take."""
+    packed: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(1)
+        return tensor
+
+    model, eager = _net(), _net()
+    x = torch.randn(5, 6)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, runs = _first_call(monkeypatch, model, x)
+    assert runs == ["copy", "own"]
+    assert packed
+    expected = eager(x)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    for a, b in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_insisting_on_a_backend_that_is_not_installed_names_its_package() -> None:
     engine = ModuleEngine(_net(), EngineOptions(backend="ort-training"))
     with pytest.raises(EngineError, match="ort-autopatch\\[training-cpu\\]"):

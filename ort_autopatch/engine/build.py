@@ -91,14 +91,16 @@ class Builder:
         PyTorch (`_aside`: raises `BuildingAside` until the graph is there)."""
         self.learned = Learned()
         try:
-            with _outside_saved_tensor_hooks():
+            with _outside_saved_tensor_hooks() as hooked:
                 if aside and self.backend.builds_aside:
                     entry = self._aside(miss, reason)
                     if entry is not None:
                         return entry
                 try:
                     with gc_freeze.frozen_heap():
-                        return self._build(miss, reason)
+                        # the check's run of the graph is the call's own, unless the call
+                        # saves through hooks or recomputes forward in backward
+                        return self._build(miss, reason, keep=not (hooked or miss.recompute))
                 finally:
                     if self._eager is not None:  # taken by the check, or not needed
                         self._eager.close()
@@ -116,7 +118,7 @@ class Builder:
                 amp.REMEDY,
             ) from None
 
-    def _build(self, miss: Miss, reason: str) -> Entry:
+    def _build(self, miss: Miss, reason: str, keep: bool = False) -> Entry:
         limits = budget.Limits(self.options.max_build_seconds, self.options.max_graph_nodes)
         with _progress(self._cls, self.learned) as progress, budget.limited(self._cls, limits):
             start = time.perf_counter()
@@ -153,7 +155,7 @@ class Builder:
                 # A stored graph is not checked again: these very bytes passed when they were
                 # built, for a call of the same key; `--verify N` still compares.
                 progress.phase = "checking the first call against eager"
-                self._check_first_call(entry, miss)
+                self._check_first_call(entry, miss, keep)
             guards = entry.recipe.size_guards
             per_shape = miss.per_shape or self.learned.per_shape
             self._record(
@@ -294,11 +296,13 @@ class Builder:
         if self._eager is None:
             self._eager = eager_child.EagerChild.start(miss, self.backend.forward)
 
-    def _check_first_call(self, entry: Entry, miss: Miss) -> None:
+    def _check_first_call(self, entry: Entry, miss: Miss, keep: bool) -> None:
         """The call that built the graph, through the graph and eagerly (`verify`; eager's
         side from the child that made it meanwhile, where it did); raises
-        `verify.VerificationError` when they differ beyond eager's own spread."""
+        `verify.VerificationError` when they differ beyond eager's own spread. With `keep`,
+        the graph's run is the call's own where it can be (`verify.Kept`): `entry.first`."""
         random = self.backend.random_operators(entry.recipe)
+        kept = verify.Kept() if keep else None
         made = self._eager if self._eager is not None and self._eager.miss is miss else None
         if made is not None:
             made.pause()  # the graph runs first, on every core
@@ -313,6 +317,7 @@ class Builder:
                 self.backend.forward,
                 random,
                 made if made is not None and made.fresh() else None,
+                kept,
             )
         except verify.VerificationError as exc:
             if exc.verification is not None:
@@ -329,6 +334,8 @@ class Builder:
             )
             result = verify.Verification(unverified=why)
         self.verified(result)
+        if kept is not None and kept.made:
+            entry.first = (miss.call, kept.output)
 
     def verified(self, result: verify.Verification) -> None:
         """File a comparison with eager (a first call's, or --verify's), and tell it."""
@@ -431,19 +438,19 @@ class _Progress:
 
 
 @contextmanager
-def _outside_saved_tensor_hooks() -> Iterator[None]:
+def _outside_saved_tensor_hooks() -> Iterator[bool]:
     """Take the caller's saved-tensor hooks off this thread while a build runs, and put them
     back after. A call under activation checkpointing (`checkpoint_wrapper`) builds inside the
     checkpoint's hooks: the plain backend's trace and its first-call check run autograd, whose
     saved tensors the checkpoint would take as the call's own (and rerun the call, mid-build,
-    to get them back)."""
+    to get them back). Yields whether it took any."""
     hooks = torch._C._autograd
     taken = []
     while (top := hooks._top_saved_tensors_default_hooks(True)) is not None:
         hooks._pop_saved_tensors_default_hooks()
         taken.append(top)
     try:
-        yield
+        yield bool(taken)
     finally:
         for pack, unpack in reversed(taken):
             hooks._push_saved_tensors_default_hooks(pack, unpack)

@@ -26,6 +26,18 @@ class Entry:
     # per feed of `program.feed_names`: (True, user tensor index) or (False, index into
     # ModuleState.tensors)
     feeds: list[tuple[bool, int]]
+    #: the result of the call that built this entry, made by the build's first-call check
+    #: (`verify.Kept`): that call's alone, taken once (`take_first`)
+    first: tuple[signature.FlatCall, Any] | None = None
+
+    def take_first(self, call: signature.FlatCall) -> tuple[bool, Any]:
+        """(True, its result) where `call` is the one whose result the build kept, which
+        this hands over and forgets; else (False, None)."""
+        first = self.first
+        if first is None or first[0] is not call:
+            return False, None
+        self.first = None
+        return True, first[1]
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors

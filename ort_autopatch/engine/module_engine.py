@@ -263,7 +263,7 @@ class ModuleEngine:
         checked = len(self.verifications)
         try:
             key, entry = self._entry(
-                module, state, call, mode, grad, requires, hot, autocast, aside
+                module, state, call, mode, grad, requires, hot, autocast, aside, recompute
             )
         except EngineError as exc:
             if hot is None or self._shapes.per_shape:
@@ -280,8 +280,10 @@ class ModuleEngine:
             log.debug("%s: no static-shape graph for %s (%s)", self._cls, hot, exc)
             self._shapes.hot.refuse(mode, hot)
             key, entry = self._entry(
-                module, state, call, mode, grad, requires, None, autocast, aside
+                module, state, call, mode, grad, requires, None, autocast, aside, recompute
             )
+        # the build's check ran the graph on this very call (`verify.Kept`)
+        made, result = entry.take_first(call)
         if len(self.verifications) > checked:
             # the build compared this very call with eager (`Backend.verifies_first_call`):
             # one of the key's --verify calls, not run twice
@@ -291,6 +293,8 @@ class ModuleEngine:
             self._verify(module, entry, state, call, grad, key)
         self._keys.used(key, mode)
         self._trusted[mode] = key
+        if made:
+            return result
         return entry.run(state, call, recompute)
 
     def _entry(
@@ -304,6 +308,7 @@ class ModuleEngine:
         hot: Shapes | None,
         autocast: amp.State,
         aside: bool,
+        recompute: bool,
     ) -> tuple[CallKey, Entry]:
         """The call's key and its graph, built on a miss (explained against the last key
         used in `mode`)."""
@@ -328,7 +333,17 @@ class ModuleEngine:
                 entry = self._cache.get_or_build(
                     key,
                     lambda: self._build(
-                        module, state, call, grad, reason, hot, autocast, base, requires, aside
+                        module,
+                        state,
+                        call,
+                        grad,
+                        reason,
+                        hot,
+                        autocast,
+                        base,
+                        requires,
+                        aside,
+                        recompute,
                     ),
                 )
             except BuildOverBudget as exc:
@@ -388,6 +403,7 @@ class ModuleEngine:
         base: CallKey,
         requires: list[bool],
         aside: bool,
+        recompute: bool,
     ) -> Entry:
         devices = state.devices() | {t.device for t in call.tensors}
         if len(devices) > 1:
@@ -409,6 +425,7 @@ class ModuleEngine:
             request.per_shape,
             autocast,
             request.dynamic,
+            recompute,
         )
         try:
             entry = self._builder.build(miss, reason, aside)

@@ -128,6 +128,8 @@ class Miss:
     autocast: amp.State = None  # the call's autocast state, which the export runs under
     #: the dimensions to trace as symbols (a backend whose graphs carry size guards), or None
     dynamic: Dims | None = None
+    #: the call keeps nothing of its forward for backward (`Program.run`'s `recompute`)
+    recompute: bool = False
 
     def one_shape(self) -> bool:
         """Whether the graph serves one input shape (it may allocate from a shared arena)."""

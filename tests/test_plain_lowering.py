@@ -232,6 +232,23 @@ def test_signatures_made_once_translate_to_the_bytes_made_each_time(
     assert reused == made and again == made
 
 
+def test_a_lowered_graph_carries_no_metadata_per_node() -> None:
+    """The translator's metadata of each node (the FX node printed, its stack trace and
+    module path) is left out: nothing reads it, and it was most of a graph's bytes. The
+    exporter's own function is back in place after the lowering."""
+    import onnx
+    from torch.onnx._internal.exporter import _core
+
+    from ort_autopatch.engine.backends.ort import lowering
+
+    writer = _core._set_node_metadata
+    for k, graph in enumerate(_graphs_of("conv_batchnorm_pool")):
+        model = onnx.load_from_string(lowering.to_onnx(graph, "M", f"graph{k}", True))
+        assert model.graph.node
+        assert [n.name for n in model.graph.node if n.metadata_props] == []
+    assert _core._set_node_metadata is writer
+
+
 def test_each_reused_signature_has_its_own_lists_and_default_attributes() -> None:
     """A node takes a default attribute in as it is: no two translations share one."""
     import onnx

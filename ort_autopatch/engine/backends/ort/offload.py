@@ -24,9 +24,9 @@ a test checks it).
 
 FX graphs do not pickle with their node meta (the translator reads each node's `val`), so the
 graphs cross as plain data (`encode`): each node's op, name, target by qualified name, its
-arguments (node references and plain constants), its fake value as shape, strides, dtype and
-storage offset, and the meta the translator copies into the graph (stack trace, module stack
-with classes by name). The exporter's type-promotion pass runs the graph on fake tensors, and
+arguments (node references and plain constants), and its fake value as shape, strides,
+dtype and storage offset (the translator writes no other meta into the graph:
+`lowering.to_onnx`). The exporter's type-promotion pass runs the graph on fake tensors, and
 a process's first fake tensor mode imports torch._dynamo (a second): it runs here, on the
 traced graphs in place (as lowering here would run it), and the child rebuilds the promoted
 graph on meta tensors, which carry all the translator reads. Only CPU graphs of exact shapes
@@ -140,7 +140,6 @@ class _Node:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     val: Any
-    meta: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -207,35 +206,6 @@ def _val(value: Any) -> Any:
     raise Unsupported(f"a value {type(value).__name__}")
 
 
-def _module_name(cls: Any) -> str:
-    """A module class as the translator names it (`_core._get_qualified_module_name`)."""
-    if isinstance(cls, str):
-        return cls
-    module = cls.__module__
-    if module is None or module == str.__class__.__module__:
-        return str(cls.__name__)
-    return f"{module}.{cls.__name__}"
-
-
-def _meta(node: torch.fx.Node) -> dict[str, Any]:
-    """The meta the translator writes into the ONNX graph besides `val`."""
-    meta: dict[str, Any] = {}
-    if "stack_trace" in node.meta:
-        trace = node.meta["stack_trace"]
-        if not isinstance(trace, str | None):
-            raise Unsupported("a stack trace that is no string")
-        meta["stack_trace"] = trace
-    if "nn_module_stack" in node.meta:
-        stack = node.meta["nn_module_stack"]
-        try:
-            meta["nn_module_stack"] = {
-                str(key): (str(path), _module_name(cls)) for key, (path, cls) in stack.items()
-            }
-        except (AttributeError, TypeError, ValueError) as exc:
-            raise Unsupported(f"a module stack {stack!r}") from exc
-    return meta
-
-
 def encode(gm: torch.fx.GraphModule) -> Encoded:
     """`gm` as plain data, or `Unsupported`."""
     nodes = []
@@ -270,7 +240,6 @@ def encode(gm: torch.fx.GraphModule) -> Encoded:
                 _arg(tuple(node.args)),
                 {key: _arg(value) for key, value in node.kwargs.items()},
                 val,
-                _meta(node),
             )
         )
     return Encoded(nodes, constants, frozenset(gm.meta.get(stages.HANDED, ())))
@@ -328,7 +297,6 @@ def decode(encoded: Encoded, fake: bool) -> torch.fx.GraphModule:
         if node.name != spec.name:
             raise ValueError(f"node {spec.name!r} came back as {node.name!r}")
         made[spec.name] = node
-        node.meta.update(spec.meta)
         if spec.op == "get_attr":
             node.meta["val"] = encoded.constants[spec.target]
         elif spec.op != "output":
@@ -372,9 +340,9 @@ def _warm_up() -> None:
 
     x = _Fake((2,), (1,), 0, torch.float32)
     nodes = [
-        _Node("placeholder", "x", "x", (), {}, x, {}),
-        _Node("call_function", "mul", ("op", "aten", "mul", "Tensor"), (_Ref("x"),) * 2, {}, x, {}),
-        _Node("output", "output", "output", ((_Ref("mul"),),), {}, None, {}),
+        _Node("placeholder", "x", "x", (), {}, x),
+        _Node("call_function", "mul", ("op", "aten", "mul", "Tensor"), (_Ref("x"),) * 2, {}, x),
+        _Node("output", "output", "output", ((_Ref("mul"),),), {}, None),
     ]
     lowered.lower_graphs(decode(Encoded(nodes, {}), fake=False), None, "warm-up", promoted=True)
     lowering.warm_signatures()

@@ -249,6 +249,27 @@ def test_a_lowered_graph_carries_no_metadata_per_node() -> None:
     assert _core._set_node_metadata is writer
 
 
+@pytest.mark.parametrize("name", ["transformer", "conv_batchnorm_pool", "activations_and_norms"])
+def test_attribute_lists_typed_first_translate_to_the_bytes_onnx_ir_gives(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Typing lists of numbers before onnx_ir's Protocol checks (`_number_lists_typed_first`)
+    changes no byte of a graph's translation; onnx_ir's own function is back afterwards."""
+    import contextlib
+
+    from onnx_ir import _convenience
+
+    from ort_autopatch.engine.backends.ort import lowering
+
+    infer = _convenience._infer_attribute_type
+    graphs = _graphs_of(name)
+    fast = [lowering.to_onnx(g, "M", f"graph{k}", True) for k, g in enumerate(graphs)]
+    assert _convenience._infer_attribute_type is infer
+    monkeypatch.setattr(lowering, "_number_lists_typed_first", contextlib.nullcontext)
+    made = [lowering.to_onnx(g, "M", f"graph{k}", True) for k, g in enumerate(graphs)]
+    assert fast == made
+
+
 def test_each_reused_signature_has_its_own_lists_and_default_attributes() -> None:
     """A node takes a default attribute in as it is: no two translations share one."""
     import onnx

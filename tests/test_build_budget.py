@@ -151,6 +151,30 @@ def test_a_refused_key_is_not_traced_again_after_the_cache_evicts_it(
     assert len(made) == 2  # the long sequence once, the short one once
 
 
+@pytest.mark.skipif(not plain_backend(), reason="the plain backend's trace (aot_autograd's)")
+def test_the_plain_trace_watches_the_users_forward_not_aots_machinery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The limits' torch function mode is entered around each run of the user's forward, so
+    it sees the forward's torch calls (aot runs forward twice), not the tens of thousands of
+    aot's own machinery (its traced backward above all), each of which it would slow; the
+    deadline is still checked there (`test_a_build_past_its_deadline_stops_...`)."""
+    seen: list[Any] = []
+    watched = budget._TracedCalls.__torch_function__
+
+    def counted(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        seen.append(func)
+        return watched(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(budget._TracedCalls, "__torch_function__", counted)
+    engine = ModuleEngine(Slow(), EngineOptions(backend="ort", threads=1))
+    x = torch.randn(2, 4)
+    engine(x).sum().backward()
+    assert engine.builds == 1
+    # per run of forward: 40 linears and 40 tanhs, and the few torch calls around them
+    assert 2 * 80 <= len(seen) <= 2 * 120, len(seen)
+
+
 def test_a_build_past_its_deadline_stops_with_the_time_in_the_reason() -> None:
     engine = ModuleEngine(Slow(), EngineOptions(max_build_seconds=1))
     with pytest.raises(BuildOverBudget) as refused:

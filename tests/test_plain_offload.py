@@ -367,9 +367,10 @@ def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
     """Operators read wrongly from torchlib's sources give another trace once the child has
     named them, lowered by the child too, with eager's numbers: relu missed (the first trace
     decomposed the layer's ReLU, and was lowered for nothing), or none read at all
-    (a table that decomposes whatever torch can: the first trace fails, and is made again).
-    LayerNorm missed changes nothing: its entry is ours whatever torchlib translates, and the
-    first trace stands."""
+    (a table that decomposes whatever torch can: on torch 2.13 the first trace fails; on
+    2.15 it succeeds into operators torchlib does not translate, which the child declines;
+    either way it is made again). LayerNorm missed changes nothing: its entry is ours
+    whatever torchlib translates, and the first trace stands."""
     from ort_autopatch.engine.backends.ort import lowering, offload
 
     read = lowering.read_implemented()
@@ -378,9 +379,12 @@ def test_a_trace_from_misread_operators_is_traced_again_with_the_childs(
     monkeypatch.setattr(offload, "_implemented", [])  # no earlier child's answer
     monkeypatch.setattr(lowering, "read_implemented", lambda: frozenset(wrong))
     answers = _first_call(monkeypatch, tmp_path)
-    assert all(answer is not None for answer in answers), answers
+    assert answers and answers[-1] is not None, answers
     if misread == "relu":
-        assert len(answers) == 2 and answers[0].forward != answers[1].forward
+        assert len(answers) == 2 and answers[0] is not None
+        assert answers[0].forward != answers[1].forward
+    elif misread == "everything":
+        assert len(answers) == 1 or (len(answers) == 2 and answers[0] is None), answers
     else:
         assert len(answers) == 1
 

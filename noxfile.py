@@ -244,6 +244,7 @@ TORCH_215_TESTS = (
     "tests/test_plain_norms.py",
     "tests/test_plain_convolutions.py",
     "tests/test_plain_linears.py",
+    "tests/test_plain_matmuls.py",
     "tests/test_plain_backend.py",
     "tests/test_plain_eager_child.py",
     "tests/test_plain_offload.py",

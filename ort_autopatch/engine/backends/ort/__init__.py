@@ -9,7 +9,7 @@ every graph is checked against eager before its numbers are trusted.
 """
 
 #: The torch.library namespace of the operators this backend defines for its graphs (the
-#: recurrent scans, `windows`' SpaceToDepth, `norms`', `convolutions`' and `linears`'
-#: operators), each with an ONNX translation
+#: recurrent scans, `windows`' SpaceToDepth, `norms`', `convolutions`', `linears`' and
+#: `matmuls`' operators), each with an ONNX translation
 #: (`lowering.our_translations`).
 OPERATOR_NAMESPACE = "ort_autopatch"

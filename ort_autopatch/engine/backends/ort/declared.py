@@ -1,5 +1,5 @@
 """Types and shapes for the values the ONNX translations of our operators make (`norms`,
-`convolutions`, `linears`).
+`convolutions`, `linears`, `matmuls`).
 
 The translator gives every FX node's value its type and shape; a translation of ours adds
 several ONNX nodes per FX node, and leaves their values undeclared unless it declares them.

@@ -52,6 +52,10 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - `linear` (`BEFORE_AUTOGRAD`): one operator of ours each way (`linears`: ATen's composite is
   four operators forward, and autograd makes about eight more of them backward), for float
   inputs of static sizes; ATen's composite elsewhere.
+- `matmul` (`BEFORE_AUTOGRAD`): one operator of ours each way for two tensors of one batch
+  shape (`matmuls`: attention's products; ATen's composite expands, copies and reshapes each
+  side around a `bmm`, and autograd doubles that), float inputs of static sizes; ATen's
+  composite elsewhere.
 - `max_pool1d` (`BEFORE_AUTOGRAD`): ATen's composite pools over the sizes as plain integers
   for the untracked tensors of a trace, fixing the length; ours is the 2-d pool over a
   height of one.
@@ -89,7 +93,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import convolutions, linears, norms, windows
+from ort_autopatch.engine.backends.ort import convolutions, linears, matmuls, norms, windows
 
 aten = torch.ops.aten
 
@@ -453,6 +457,7 @@ BEFORE_AUTOGRAD: dict[Any, Callable[..., Any]] = {
     aten.adaptive_avg_pool2d.default: windows.adaptive_avg_pool2d,
     aten.max_pool1d.default: windows.max_pool1d,
     aten.linear.default: linears.linear,
+    aten.matmul.default: matmuls.matmul,
 }
 for _function in BEFORE_AUTOGRAD.values():
     _function.before_autograd = True  # type: ignore[attr-defined]

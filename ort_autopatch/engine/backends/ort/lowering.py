@@ -185,11 +185,19 @@ OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
 def our_translations() -> dict[Any, Any]:
     """Our own operators and their ONNX translations, from the modules that define them:
     `recurrent`'s scans, `windows`' SpaceToDepth, `norms`' BatchNorm and LayerNorm,
-    `convolutions`' backward and `linears`' linear."""
-    from ort_autopatch.engine.backends.ort import convolutions, linears, norms, recurrent, windows
+    `convolutions`' backward, `linears`' linear and `matmuls`' batched product."""
+    from ort_autopatch.engine.backends.ort import (
+        convolutions,
+        linears,
+        matmuls,
+        norms,
+        recurrent,
+        windows,
+    )
 
     return {
         **linears.TRANSLATIONS,
+        **matmuls.TRANSLATIONS,
         **recurrent.TRANSLATIONS,
         **windows.TRANSLATIONS,
         **norms.TRANSLATIONS,

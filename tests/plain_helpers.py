@@ -98,3 +98,19 @@ def steps_like_eager(
                 torch.testing.assert_close(p.grad, q.grad, msg=name, **tolerance)
         for (name, b), e in zip(model.named_buffers(), eager.buffers(), strict=True):
             torch.testing.assert_close(b, e, msg=name, **tolerance)
+
+
+def trains_like_eager(
+    model: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, grad_input: bool = True
+) -> PlainCall:
+    """`steps_like_eager` through a capture of `model`'s call at `shape` against a copy of
+    `model`; the call, for its graphs."""
+    import copy
+
+    eager = copy.deepcopy(model)
+    plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=grad_input))
+    assert plain.captured.backward is not None
+    steps_like_eager(
+        model, eager, plain, lambda: torch.randn(shape, dtype=dtype), grad_input=grad_input
+    )
+    return plain

@@ -5,7 +5,6 @@ every input rank, with and without bias, for every gradient autograd asks for.""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import linears
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, steps_like_eager
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, trains_like_eager
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -64,19 +63,6 @@ class _Linears(nn.Module):
         return self.second(nn.functional.relu(self.first(x)))
 
 
-def _trains_like_eager(
-    model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, grad_input: bool = True
-) -> PlainCall:
-    """`steps_like_eager` through a capture of `model`'s call at `shape`; the call, for
-    its graphs."""
-    eager = copy.deepcopy(model)
-    plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=grad_input))
-    assert plain.captured.backward is not None
-    draw = lambda: torch.randn(shape, dtype=dtype)  # noqa: E731
-    steps_like_eager(model, eager, plain, draw, grad_input=grad_input)
-    return plain
-
-
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
@@ -85,7 +71,7 @@ def test_linears_train_through_one_operator_each_way_to_eagers_numbers(
     shape: tuple[int, ...], bias: bool, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
-    plain = _trains_like_eager(_Linears(dtype, bias), shape, dtype)
+    plain = trains_like_eager(_Linears(dtype, bias), shape, dtype)
     forward = _targets(plain.captured.forward)
     backward = _targets(plain.captured.backward)
     assert forward.count(OURS.linear.default) == 2
@@ -112,7 +98,7 @@ def test_the_backward_computes_only_the_gradients_asked_for(frozen: str) -> None
     model = _Linears(torch.float32, True)
     for p in FROZEN[frozen](model):
         p.requires_grad_(False)
-    _trains_like_eager(model, (2, 5, 8), torch.float32, grad_input=frozen != "input")
+    trains_like_eager(model, (2, 5, 8), torch.float32, grad_input=frozen != "input")
 
 
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
@@ -137,4 +123,4 @@ def test_other_linears_train_like_eager(call: Any) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return call(self.layer, x)
 
-    _trains_like_eager(Model(), (3, 8), torch.float32)
+    trains_like_eager(Model(), (3, 8), torch.float32)

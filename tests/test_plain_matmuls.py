@@ -5,7 +5,6 @@ takes, for every gradient autograd asks for, a transposed view among the operand
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import matmuls
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, PlainCall, steps_like_eager
+from tests.plain_helpers import PLAIN_READY, SKIP_REASON, trains_like_eager
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -72,19 +71,6 @@ class _Attention(nn.Module):
         return torch.matmul(scores, v)
 
 
-def _trains_like_eager(
-    model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, grad_input: bool = True
-) -> PlainCall:
-    """`steps_like_eager` through a capture of `model`'s call at `shape`; the call, for
-    its graphs."""
-    eager = copy.deepcopy(model)
-    plain = PlainCall(model, torch.randn(shape, dtype=dtype, requires_grad=grad_input))
-    assert plain.captured.backward is not None
-    draw = lambda: torch.randn(shape, dtype=dtype)  # noqa: E731
-    steps_like_eager(model, eager, plain, draw, grad_input=grad_input)
-    return plain
-
-
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads", [None, 2], ids=["rank3", "rank4"])
@@ -92,7 +78,7 @@ def test_attention_products_train_through_one_operator_each_way_to_eagers_number
     heads: int | None, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
-    plain = _trains_like_eager(_Attention(dtype, heads), (2, 5, 8), dtype)
+    plain = trains_like_eager(_Attention(dtype, heads), (2, 5, 8), dtype)
     forward = _targets(plain.captured.forward)
     backward = _targets(plain.captured.backward)
     assert forward.count(OURS.matmul.default) == 2
@@ -101,7 +87,7 @@ def test_attention_products_train_through_one_operator_each_way_to_eagers_number
 
 
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
-def test_a_product_whose_one_side_needs_no_gradient_trains_like_eager() -> None:
+def test_a_product_whose_one_side_needs_no_gradienttrains_like_eager() -> None:
     """A constant side (a buffer) gets no gradient; the other's equals eager's."""
     torch.manual_seed(0)
 
@@ -114,7 +100,7 @@ def test_a_product_whose_one_side_needs_no_gradient_trains_like_eager() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.matmul(self.proj(x), self.mix)
 
-    _trains_like_eager(Model(), (2, 5, 8), torch.float32, grad_input=False)
+    trains_like_eager(Model(), (2, 5, 8), torch.float32, grad_input=False)
 
 
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
@@ -138,5 +124,5 @@ def test_other_products_keep_atens_composite_and_train_like_eager(call: Any) -> 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return call(x, self.w)
 
-    plain = _trains_like_eager(Model(), (2, 5, 8), torch.float32)
+    plain = trains_like_eager(Model(), (2, 5, 8), torch.float32)
     assert OURS.matmul.default not in _targets(plain.captured.forward)

@@ -132,6 +132,24 @@ def test_the_call_that_builds_a_graph_is_the_checks_run_of_it(
         out.sum().backward()
 
 
+def test_a_kept_run_that_no_call_takes_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that fails after its check (here, as it files its record) hands no call the
+    kept run: BatchNorm's statistics stay as the call found them, for the fallback's eager
+    run to move once."""
+    from ort_autopatch.engine import build
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("injected: the build's record failed")
+
+    monkeypatch.setattr(build.Builder, "_record", broken)
+    model = _net()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="injected"):
+        ModuleEngine(model, PLAIN)(torch.randn(5, 6))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed by a run no call took"
+
+
 def test_a_first_call_whose_input_requires_grad_runs_the_graph_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -335,7 +335,7 @@ class Builder:
             result = verify.Verification(unverified=why)
         self.verified(result)
         if kept is not None and kept.made:
-            entry.first = (miss.call, kept.output)
+            entry.first = (miss.call, kept)
 
     def verified(self, result: verify.Verification) -> None:
         """File a comparison with eager (a first call's, or --verify's), and tell it."""

@@ -7,8 +7,8 @@ changes besides its outputs. Nothing here builds anything; `build.py` makes entr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from ort_autopatch.engine.errors import ExecutionError
 from ort_autopatch.engine.recipe import Recipe
 from ort_autopatch.engine.state import ModuleState
 
+if TYPE_CHECKING:
+    from ort_autopatch.engine.verify import Kept
+
 
 @dataclass
 class Entry:
@@ -26,18 +29,18 @@ class Entry:
     # per feed of `program.feed_names`: (True, user tensor index) or (False, index into
     # ModuleState.tensors)
     feeds: list[tuple[bool, int]]
-    #: the result of the call that built this entry, made by the build's first-call check
+    #: the run of the call that built this entry, made by the build's first-call check
     #: (`verify.Kept`): that call's alone, taken once (`take_first`)
-    first: tuple[signature.FlatCall, Any] | None = None
+    first: tuple[signature.FlatCall, Kept] | None = field(default=None, repr=False, compare=False)
 
     def take_first(self, call: signature.FlatCall) -> tuple[bool, Any]:
-        """(True, its result) where `call` is the one whose result the build kept, which
-        this hands over and forgets; else (False, None)."""
-        first = self.first
+        """(True, its result) where `call` is the one whose run the build kept; else
+        (False, None). The kept run is let go of either way: one another call finds was not
+        taken, and has changed nothing (`Kept.take`)."""
+        first, self.first = self.first, None
         if first is None or first[0] is not call:
             return False, None
-        self.first = None
-        return True, first[1]
+        return True, first[1].take()
 
     def run(self, state: ModuleState, call: signature.FlatCall, recompute: bool = False) -> Any:
         user, tensors = call.tensors, state.tensors

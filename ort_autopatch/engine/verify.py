@@ -297,18 +297,27 @@ Side = tuple[list[torch.Tensor], list[torch.Tensor | None]]
 
 class Kept:
     """The graph's run of the call itself, kept as the call's result (`verify_call`'s
-    `kept`): the check's graph side then runs on the call's own tensors rather than copies,
-    keeps its autograd graph for the user's backward, and leaves the module's buffers as the
-    run updated them, so the call needs no second forward (BERT-base: 0.36 s of its first
-    call). Made only where that run is exactly the call's: no input requires grad (its
-    gradient would be taken, and its hooks fired, by the check), and the graph writes no
-    input (inputs found written are put back, and nothing is kept)."""
+    `kept`): the check's graph side then runs on the call's own tensors rather than copies
+    and keeps its autograd graph for the user's backward, so the call needs no second
+    forward (BERT-base: 0.36 s of its first call). Made only where that run is exactly the
+    call's: no input requires grad (its gradient would be taken, and its hooks fired, by the
+    check), and the graph writes no input (inputs found written are put back, and nothing is
+    kept). The check leaves the module's buffers as the call found them: `take` puts back
+    the run's updates (BatchNorm's statistics) as it hands the output over, so a result
+    nobody takes (a build that fails after its check, another thread's call) changes
+    nothing, and the call then runs as if nothing were kept."""
 
     def __init__(self) -> None:
         self.made = False
         self.output: Any = None
         #: the module's buffers as the graph's run left them
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def take(self) -> Any:
+        """The run's output, the module's buffers updated as that run updated them."""
+        _Saved.put(self.buffers)
+        output, self.output, self.buffers, self.made = self.output, None, [], False
+        return output
 
 
 class Made(Protocol):
@@ -702,8 +711,7 @@ def verify_call(
     gives None. Where the strict comparison fails, eager's own spread is measured on the
     call and the comparison made again within it (see the module's docstring). Raises
     `VerificationError` on a mismatch (the state is restored first). `kept`: the graph's run
-    kept as the call's own where it can be (`Kept`), and only where the call matched, with
-    the module's buffers then as that run left them.
+    kept as the call's own where it can be (`Kept`), and only where the call matched.
     """
     saved = _Saved(module)
     if kept is not None and any(t.requires_grad for t in inputs):
@@ -753,12 +761,8 @@ def verify_call(
             matched = result.mismatch is None
         finally:
             saved.restore()
-            if kept is not None and kept.made:
-                if matched:
-                    saved.put(kept.buffers)  # as the call's own run left them
-                else:
-                    kept.made, kept.output = False, None
-                kept.buffers = []
+            if kept is not None and not matched:
+                kept.made, kept.output, kept.buffers = False, None, []
     if result.mismatch is not None:
         error = VerificationError(
             cls,

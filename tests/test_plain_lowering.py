@@ -270,6 +270,29 @@ def test_attribute_lists_typed_first_translate_to_the_bytes_onnx_ir_gives(
     assert fast == made
 
 
+@pytest.mark.parametrize(
+    ("module", "name", "rebinding"),
+    [
+        ("torch.onnx._internal.exporter._core", "_set_node_metadata", "_without_node_metadata"),
+        ("onnx_ir._convenience", "_infer_attribute_type", "_number_lists_typed_first"),
+    ],
+)
+def test_a_rebinding_whose_function_is_gone_leaves_the_library_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, module: str, name: str, rebinding: str
+) -> None:
+    """A torch or onnx_ir that renamed the private function a lowering speed-up rebinds is
+    lowered as that version lowers, not refused."""
+    import importlib
+
+    from ort_autopatch.engine.backends.ort import lowering
+
+    target = importlib.import_module(module)
+    monkeypatch.delattr(target, name)
+    with getattr(lowering, rebinding)():
+        assert not hasattr(target, name)
+    assert not hasattr(target, name)
+
+
 def test_each_reused_signature_has_its_own_lists_and_default_attributes() -> None:
     """A node takes a default attribute in as it is: no two translations share one."""
     import onnx

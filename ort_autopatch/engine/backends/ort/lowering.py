@@ -286,7 +286,10 @@ def _without_node_metadata() -> Iterator[None]:
     serialised, sent from the lowering child, parsed by ONNX Runtime and stored on disk."""
     from torch.onnx._internal.exporter import _core
 
-    written = _core.__dict__["_set_node_metadata"]
+    written = _core.__dict__.get("_set_node_metadata")
+    if written is None:  # a torch that writes them otherwise: written, as it writes them
+        yield
+        return
     _core._set_node_metadata = lambda fx_node, ir_node: None
     try:
         yield
@@ -307,7 +310,10 @@ def _number_lists_typed_first() -> Iterator[None]:
     from onnx_ir import _convenience as convenience
     from onnx_ir import _enums
 
-    infer = convenience.__dict__["_infer_attribute_type"]
+    infer = convenience.__dict__.get("_infer_attribute_type")
+    if infer is None:  # an onnx_ir that types attributes otherwise: typed as it types them
+        yield
+        return
     ints, floats = _enums.AttributeType.INTS, _enums.AttributeType.FLOATS
 
     def inferred(attr: Any) -> Any:

@@ -87,7 +87,28 @@ def test_attention_products_train_through_one_operator_each_way_to_eagers_number
 
 
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
-def test_a_product_whose_one_side_needs_no_gradienttrains_like_eager() -> None:
+@pytest.mark.parametrize("batch", BATCHES, ids=["rank3", "rank4", "rank5"])
+def test_products_at_every_rank_train_like_eager(batch: tuple[int, ...]) -> None:
+    """A parameter on the right, and the input on both sides of one product (`x @ x^T`,
+    whose two gradients autograd adds), at each rank the operator takes."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(*batch, 8, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gram = torch.matmul(x, x.transpose(-2, -1))
+            return torch.matmul(gram, torch.matmul(x, self.w))
+
+    plain = trains_like_eager(Model(), (*batch, 4, 8), torch.float32)
+    assert _targets(plain.captured.forward).count(OURS.matmul.default) == 3
+    assert _targets(plain.captured.backward).count(OURS.matmul_backward.default) == 3
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+def test_a_product_whose_one_side_needs_no_gradient_trains_like_eager() -> None:
     """A constant side (a buffer) gets no gradient; the other's equals eager's."""
     torch.manual_seed(0)
 

@@ -413,37 +413,6 @@ def test_slice_backward_equals_atens(dim: int, start: int, end: int, step: int) 
     torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
-def test_threshold_backward_equals_atens_for_finite_gradients(threshold: float) -> None:
-    x = torch.randn(50)
-    x[:5] = threshold  # the boundary counts as below, as in ATen
-    g = torch.randn(50)
-    expected = aten.threshold_backward(g, x, threshold)
-    torch.testing.assert_close(decompositions.threshold_backward(g, x, threshold), expected)
-
-
-@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (2, 3, 4, 5), (1, 2, 3, 2, 2)])
-@pytest.mark.parametrize("slope", [0.2, 0.01, 1e-3, 3.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_leaky_relu_backward_equals_atens_bit_for_bit(
-    shape: tuple[int, ...], slope: float, dtype: torch.dtype
-) -> None:
-    """At every rank, zeros, NaN inputs and infinite gradients included: the factor is 1 or
-    the slope exactly, so the result is ATen's to the bit."""
-    torch.manual_seed(0)
-    x = torch.randn(shape, dtype=dtype)
-    g = torch.randn(shape, dtype=dtype)
-    if x.numel() > 3:
-        x.view(-1)[0] = 0.0
-        x.view(-1)[1] = float("nan")
-        g.view(-1)[2] = float("inf")
-        g.view(-1)[3] = -float("inf")
-    for self_is_result in (False, True):
-        expected = aten.leaky_relu_backward(g, x, slope, self_is_result)
-        got = decompositions.leaky_relu_backward(g, x, slope, self_is_result)
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
-
-
 @pytest.mark.parametrize(
     ("kernel", "stride", "padding", "size"),
     [([2, 2], [2, 2], [0, 0], 8), ([3, 3], [], [0, 0], 9), ([2, 3], [2, 3], [0, 0], 6)],

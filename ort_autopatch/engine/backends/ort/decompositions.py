@@ -30,7 +30,8 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
   MaxPool with indices is nine times slower than without), no scatter and no small trailing
   window axis.
 - `threshold_backward` (ReLU's) and `leaky_relu_backward`: a product with the mask instead of
-  ORT's slow `Where` (ten times a Greater, a Cast and a Mul on a CNN's activations).
+  ORT's slow `Where` (ten times a Greater, a Cast and a Mul on a CNN's activations), one
+  operator of ours each where its values can be declared (`activations`).
 - `_safe_softmax` (attention's math kernel: with dropout, or a mask the flash kernel does not
   take): its rows of -inf found by one ReduceMax rather than a comparison cast to int64 and
   a ReduceMin.
@@ -93,7 +94,14 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import convolutions, linears, matmuls, norms, windows
+from ort_autopatch.engine.backends.ort import (
+    activations,
+    convolutions,
+    linears,
+    matmuls,
+    norms,
+    windows,
+)
 
 aten = torch.ops.aten
 
@@ -374,16 +382,6 @@ def weight_norm_interface_backward(
     return grad_v, grad_g
 
 
-def threshold_backward(
-    grad_output: torch.Tensor, self: torch.Tensor, threshold: float
-) -> torch.Tensor:
-    """ReLU's gradient as a product with the mask: ORT's CPU `Where` took 4x the time of a
-    Greater, a Cast and a Mul (33 ms against 8 on a transformer layer's activations). Only
-    an infinite or NaN gradient where the input is below the threshold differs from eager's
-    (NaN instead of 0): a step that scaling rejects either way."""
-    return grad_output * (self > threshold).to(grad_output.dtype)
-
-
 def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The softmax of attention's math kernel, zero along rows that are all -inf (where the
     plain softmax gives NaN). torch's decomposition finds those rows as `all(x == -inf)`,
@@ -402,18 +400,6 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
     return torch.where(masked_rows, torch.zeros_like(out), out)
 
 
-def leaky_relu_backward(
-    grad_output: torch.Tensor, self: torch.Tensor, negative_slope: float, self_is_result: bool
-) -> torch.Tensor:
-    """LeakyReLU's gradient as a product with a factor that is exactly 1 where the input is
-    positive and exactly the slope elsewhere (NaN inputs included, as in ATen): ORT's CPU
-    `Where` ran 1.0 ms on a DCGAN discriminator's (16, 32, 16, 16) activations, this 0.1 ms.
-    The factor never multiplies a gradient by 0, so infinite and NaN gradients come out as
-    eager's too. `self_is_result` changes nothing: a positive slope keeps the sign."""
-    positive = (self > 0).to(grad_output.dtype)
-    return grad_output * (positive + (1 - positive) * negative_slope)
-
-
 OURS: dict[Any, Callable[..., Any]] = {
     aten._native_batch_norm_legit_functional.default: norms.native_batch_norm_legit_functional,
     aten.native_batch_norm_backward.default: norms.native_batch_norm_backward,
@@ -421,9 +407,9 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.native_layer_norm_backward.default: norms.native_layer_norm_backward,
     aten.max_pool2d_with_indices.default: windows.max_pool2d_with_indices,
     aten.max_pool2d_with_indices_backward.default: windows.max_pool2d_with_indices_backward,
-    aten.threshold_backward.default: threshold_backward,
+    aten.threshold_backward.default: activations.threshold_backward,
     aten._safe_softmax.default: safe_softmax,
-    aten.leaky_relu_backward.default: leaky_relu_backward,
+    aten.leaky_relu_backward.default: activations.leaky_relu_backward,
     aten.select_backward.default: select_backward,
     aten.slice_backward.default: slice_backward,
     aten.diagonal_backward.default: diagonal_backward,

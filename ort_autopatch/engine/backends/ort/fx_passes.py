@@ -3,11 +3,12 @@
 One job: turn the forward and backward graphs aot_autograd's partitioner made into graphs that
 ONNX Runtime runs, and runs fast, with the same numbers: constants made real, int32 indices
 widened, reductions without a reshape behind them, saved parameters handed over instead of
-copied, saved views made again in backward, a gradient's masks multiplied once, values
-scattered into zeros and added to a sum scattered into the sum. They run after the trace, in
-the order `passes` declares (after the linking of the graphs' inputs and outputs,
-`linking`), on graphs nothing else holds yet; each is tested on its own graphs
-(tests/test_plain_backend.py).
+copied, saved views made again in backward, an activation its gradient alone reads saved as
+its mask, a gradient's masks multiplied once, values scattered into zeros and added to a sum
+scattered into the sum. They run after the trace, in the order `passes` declares (after the
+linking of the graphs' inputs and outputs, `linking`), on graphs nothing else holds yet;
+each is tested on its own graphs (tests/test_plain_backend.py, and the activations' in
+tests/test_plain_activations.py).
 """
 
 from __future__ import annotations
@@ -463,8 +464,11 @@ def masks_multiplied_once(gm: torch.fx.GraphModule) -> None:
     over the activation (1.2 ms of a transformer layer's 68 ms step at one thread, where
     these passes are bound by memory). Exact: each factor is 0 or 1 but for at most one
     positive scale, so the product is `g * scale` or `g * 0` either way; only where
-    `g * scale` overflows does a masked element now give 0 (as eager's ReLU) and not NaN."""
-    changed = False
+    `g * scale` overflows does a masked element now give 0 (as eager's ReLU) and not NaN.
+
+    ReLU's gradient is one operator of ours (`activations`), its mask inside it; where it
+    meets another mask it is first written out as the product it computes (`_relus_written_out`)."""
+    changed = _relus_written_out(gm)
     while (rewrite := _two_masks(gm)) is not None:
         node, grad, (cast, masks, scale) = rewrite
         with gm.graph.inserting_before(node):
@@ -484,6 +488,89 @@ def masks_multiplied_once(gm: torch.fx.GraphModule) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+def activation_masks_saved(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, reads: list[tuple[str, int]]
+) -> None:
+    """A value forward saves only for activation gradients of ours (`activations.GRADIENTS`:
+    ReLU's, LeakyReLU's; read as the activation, one operator, one threshold or slope) is
+    saved as their boolean mask, one byte an element, and backward applies it (the
+    operator's own formula, `activations.Gradient`). The partitioner chose so itself when
+    the gradient was ATen operators; our operator reads the activation whole, which a
+    transformer layer's feed-forward saved in float beside its dropout's output. An
+    activation backward reads otherwise too (a convolution's input, in a CNN) stays saved
+    as it is. `reads` are backward's inputs (`linking.link`)."""
+    from ort_autopatch.engine.backends.ort import activations
+
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    last_placeholder = [n for n in forward.graph.nodes if n.op == "placeholder"][-1]
+    if len(placeholders) != len(reads):
+        return
+    changed = False
+    for placeholder, (kind, k) in zip(placeholders, reads, strict=True):
+        users = list(placeholder.users)
+        value = outs[k] if kind == "out" else None
+        if not users or not isinstance(value, torch.fx.Node) or outs.count(value) != 1:
+            continue
+        if any(u.target not in activations.GRADIENTS or u.args[0] is placeholder for u in users):
+            continue
+        readers = {(u.target, u.args[2]) for u in users}
+        if len(readers) != 1 or not isinstance(value.meta.get("val"), torch.Tensor):
+            continue
+        ((target, arg),) = readers
+        gradient = activations.GRADIENTS[target]
+        # made as soon as the activation is, which forward may then free early
+        anchor = value if value.op != "placeholder" else last_placeholder
+        with forward.graph.inserting_before(anchor.next):  # in order, after the anchor
+            mask = gradient.mask(activations.Fx(forward.graph), value, arg)
+        outs[k] = mask
+        placeholder.meta = {**placeholder.meta, "val": mask.meta["val"]}
+        placeholder.meta.pop("tensor_meta", None)
+        for user in users:
+            with backward.graph.inserting_before(user):
+                product = gradient.apply(
+                    activations.Fx(backward.graph), user.args[0], placeholder, arg
+                )
+            user.replace_all_uses_with(product)
+            backward.graph.erase_node(user)
+        changed = True
+    if changed:
+        output.args = (tuple(outs),)
+        forward.recompile()
+        backward.recompile()
+
+
+def _relus_written_out(gm: torch.fx.GraphModule) -> bool:
+    """Each ReLU gradient of ours (`threshold_backward`) whose gradient is a product with a
+    mask, or whose one reader is one, written out as the product it computes
+    (`activations.RELU`: `g * (~(x <= t)).to(f)`), which `_two_masks` then finds; whether
+    one was."""
+    from ort_autopatch.engine.backends.ort import activations
+
+    written = False
+    for node in list(gm.graph.nodes):
+        if (
+            node.op != "call_function"
+            or activations.GRADIENTS.get(node.target) is not activations.RELU
+        ):
+            continue
+        grad, x, threshold = node.args
+        readers = list(node.users)
+        inner = grad
+        while isinstance(inner, torch.fx.Node) and inner.target is _aten.clone.default:
+            inner = inner.args[0]
+        outer = readers[0] if len(readers) == 1 else None
+        if _masked(inner) is None and _masked(outer) is None:
+            continue
+        with gm.graph.inserting_before(node):
+            product = activations.RELU(activations.Fx(gm.graph), grad, x, threshold)
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+        written = True
+    return written
 
 
 def _two_masks(

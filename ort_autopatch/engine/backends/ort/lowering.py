@@ -185,8 +185,10 @@ OWN: dict[Any, Any] = {operator.floordiv: _floordiv}
 def our_translations() -> dict[Any, Any]:
     """Our own operators and their ONNX translations, from the modules that define them:
     `recurrent`'s scans, `windows`' SpaceToDepth, `norms`' BatchNorm and LayerNorm,
-    `convolutions`' backward, `linears`' linear and `matmuls`' batched product."""
+    `convolutions`' backward, `linears`' linear, `matmuls`' batched product and
+    `activations`' ReLU and LeakyReLU gradients."""
     from ort_autopatch.engine.backends.ort import (
+        activations,
         convolutions,
         linears,
         matmuls,
@@ -196,6 +198,7 @@ def our_translations() -> dict[Any, Any]:
     )
 
     return {
+        **activations.TRANSLATIONS,
         **linears.TRANSLATIONS,
         **matmuls.TRANSLATIONS,
         **recurrent.TRANSLATIONS,

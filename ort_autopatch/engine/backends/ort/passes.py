@@ -97,6 +97,12 @@ def _save_bases_of_views(g: PartitionedGraphs) -> None:
     )
 
 
+def _activation_masks_saved(g: PartitionedGraphs) -> None:
+    assert g.captured.backward is not None
+    backward, reads = g.captured.backward, g.captured.backward_inputs
+    fx_passes.activation_masks_saved(g.captured.forward, backward, reads)
+
+
 def _tied_gradients_summed(g: PartitionedGraphs) -> None:
     if g.captured.backward is not None:
         fx_passes.tied_gradients_summed(g.captured.backward, g.captured.tied)
@@ -123,6 +129,8 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
         _has_backward,
     ),
     Pass("drop_regenerated", _drop_regenerated, lambda g: bool(g.captured.regenerated)),
+    # before the views: a copy of the activation is then saved as the activation itself
+    Pass("activation_masks_saved", _activation_masks_saved, _has_backward),
     Pass("save_bases_of_views", _save_bases_of_views, _has_backward),
     Pass("detaches_read_through", _each(fx_passes.detaches_read_through)),
     Pass("sums_without_kept_dims", _each(fx_passes.sums_without_kept_dims)),

@@ -224,13 +224,6 @@ def threshold_backward_operator(
     return RELU(_TORCH, grad_output, self, threshold)
 
 
-@threshold_backward_operator.register_fake
-def _(grad_output: torch.Tensor, self: torch.Tensor, threshold: float) -> torch.Tensor:
-    if _one_dense_layout(grad_output, self):
-        return torch.empty_like(grad_output)
-    return RELU(_TORCH, grad_output, self, threshold)
-
-
 @torch.library.custom_op(f"{NAMESPACE}::leaky_relu_backward", mutates_args=())
 def leaky_relu_backward_operator(
     grad_output: torch.Tensor, self: torch.Tensor, negative_slope: float
@@ -240,11 +233,20 @@ def leaky_relu_backward_operator(
     return LEAKY_RELU(_TORCH, grad_output, self, negative_slope)
 
 
-@leaky_relu_backward_operator.register_fake
-def _(grad_output: torch.Tensor, self: torch.Tensor, negative_slope: float) -> torch.Tensor:
-    if _one_dense_layout(grad_output, self):
-        return torch.empty_like(grad_output)
-    return LEAKY_RELU(_TORCH, grad_output, self, negative_slope)
+def _fake(gradient: Gradient) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """A gradient operator's fake kernel: the gradient's layout where `_one_dense_layout`
+    says it is the product's, else the formula on fake tensors."""
+
+    def fake(grad_output: torch.Tensor, self: torch.Tensor, arg: float) -> torch.Tensor:
+        if _one_dense_layout(grad_output, self):
+            return torch.empty_like(grad_output)
+        return gradient(_TORCH, grad_output, self, arg)
+
+    return fake
+
+
+threshold_backward_operator.register_fake(_fake(RELU))
+leaky_relu_backward_operator.register_fake(_fake(LEAKY_RELU))
 
 
 def applies(grad_output: torch.Tensor, self: torch.Tensor) -> bool:

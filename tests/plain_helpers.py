@@ -59,6 +59,16 @@ class PlainCall:
         return self.captured.output_spec.rebuild(self.program.run(feeds))
 
 
+def asked_gradients_equal(got: Any, expected: Any, asked: Any) -> None:
+    """An operator's backward against autograd: each gradient asked for equals autograd's,
+    each other one is empty (our backward operators return empty tensors for those)."""
+    for wanted, a, e in zip(asked, got, expected, strict=True):
+        if wanted:
+            torch.testing.assert_close(a, e)
+        else:
+            assert a.numel() == 0
+
+
 def ran_in_plain_ort(output: torch.Tensor) -> bool:
     """Whether a training output came out of the plain backend's autograd Function."""
     return type(output.grad_fn).__name__ == "GraphFunctionBackward"

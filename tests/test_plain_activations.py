@@ -228,7 +228,7 @@ def test_activations_train_through_one_operator_to_eagers_numbers(
 
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES[1:4], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_an_activation_read_by_its_gradient_alone_is_saved_as_its_mask(
     name: str, shape: tuple[int, ...], dtype: torch.dtype
@@ -263,3 +263,25 @@ def test_a_cnns_relus_train_through_the_operator_channels_last_too() -> None:
     assert _targets(plain.captured.backward).count(OURS.threshold_backward.default) == 1
     assert "Identity" not in _forward_output_makers(plain)  # no copy of the activation
     assert [v.dtype for v in _saved(plain) if v.shape == (2, 4, 6, 6)] == [torch.bool]
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+@pytest.mark.parametrize("name", ["threshold", "leaky_relu"])
+def test_an_activation_of_the_input_itself_is_saved_as_its_mask(name: str) -> None:
+    """`F.threshold` and LeakyReLU save their input: where that is the call's input, the
+    mask is made among forward's first nodes, from the input, and trains like eager."""
+    act, ours = ACTIVATIONS[name]
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return act(x) * 2 + self.bias
+
+    plain = trains_like_eager(Model(), (3, 5), torch.float32)
+    assert ours not in _targets(plain.captured.backward)
+    assert not plain.lowered.splits
+    assert [(v.shape, v.dtype) for v in _saved(plain)] == [((3, 5), torch.bool)]

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import linears
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, trains_like_eager
+from tests.plain_helpers import (
+    PLAIN_READY,
+    SKIP_REASON,
+    asked_gradients_equal,
+    trains_like_eager,
+)
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -32,11 +37,7 @@ def test_the_backward_equals_autograds(shape: tuple[int, ...], mask: tuple[bool,
     grad = torch.randn(*shape[:-1], 6, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(layer(x), [x, layer.weight, layer.bias], grad)
     got = linears.linear_backward(grad, x.detach(), layer.weight.detach(), list(mask))
-    for asked, a, e in zip(mask, got, expected, strict=True):
-        if asked:
-            torch.testing.assert_close(a, e)
-        else:
-            assert a.numel() == 0
+    asked_gradients_equal(got, expected, mask)
 
 
 def test_the_operators_apply_to_float_matrices_of_static_sizes() -> None:

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from ort_autopatch.engine.backends.ort import matmuls
-from tests.plain_helpers import PLAIN_READY, SKIP_REASON, trains_like_eager
+from tests.plain_helpers import (
+    PLAIN_READY,
+    SKIP_REASON,
+    asked_gradients_equal,
+    trains_like_eager,
+)
 
 aten = torch.ops.aten
 OURS = torch.ops.ort_autopatch
@@ -33,11 +38,7 @@ def test_the_backward_equals_autograds(batch: tuple[int, ...], mask: tuple[bool,
     grad = torch.randn(*batch, 4, 6, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(torch.matmul(a, b), [a, b], grad)
     got = matmuls.matmul_backward(grad, a.detach(), b.detach(), list(mask))
-    for asked, x, e in zip(mask, got, expected, strict=True):
-        if asked:
-            torch.testing.assert_close(x, e)
-        else:
-            assert x.numel() == 0
+    asked_gradients_equal(got, expected, mask)
 
 
 def test_the_operators_apply_to_float_batches_of_one_shape() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ort_autopatch.engine.backends.ort import activations
 from ort_autopatch.engine.backends.ort.linking import refuse
 from ort_autopatch.engine.errors import UnsupportedModelError
 
@@ -501,12 +502,9 @@ def activation_masks_saved(
     transformer layer's feed-forward saved in float beside its dropout's output. An
     activation backward reads otherwise too (a convolution's input, in a CNN) stays saved
     as it is. `reads` are backward's inputs (`linking.link`)."""
-    from ort_autopatch.engine.backends.ort import activations
-
     output = next(n for n in forward.graph.nodes if n.op == "output")
     outs = list(output.args[0])
     placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
-    last_placeholder = [n for n in forward.graph.nodes if n.op == "placeholder"][-1]
     if len(placeholders) != len(reads):
         return
     changed = False
@@ -522,8 +520,11 @@ def activation_masks_saved(
             continue
         ((target, arg),) = readers
         gradient = activations.GRADIENTS[target]
-        # made as soon as the activation is, which forward may then free early
-        anchor = value if value.op != "placeholder" else last_placeholder
+        # made as soon as the activation is (an input: after the last input), which forward
+        # may then free early
+        anchor = value
+        if value.op == "placeholder":
+            anchor = [n for n in forward.graph.nodes if n.op == "placeholder"][-1]
         with forward.graph.inserting_before(anchor.next):  # in order, after the anchor
             mask = gradient.mask(activations.Fx(forward.graph), value, arg)
         outs[k] = mask
@@ -548,8 +549,6 @@ def _relus_written_out(gm: torch.fx.GraphModule) -> bool:
     mask, or whose one reader is one, written out as the product it computes
     (`activations.RELU`: `g * (~(x <= t)).to(f)`), which `_two_masks` then finds; whether
     one was."""
-    from ort_autopatch.engine.backends.ort import activations
-
     written = False
     for node in list(gm.graph.nodes):
         if (

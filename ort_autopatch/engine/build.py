@@ -304,8 +304,6 @@ class Builder:
         random = self.backend.random_operators(entry.recipe)
         kept = verify.Kept() if keep else None
         made = self._eager if self._eager is not None and self._eager.miss is miss else None
-        if made is not None:
-            made.pause()  # the graph runs first, on every core
         try:
             result = verify.verify_entry(
                 self._cls,

@@ -122,6 +122,41 @@ def test_a_batch_norm_trains_through_one_operator_each_way_to_eagers_numbers(
     assert int(model.norm.num_batches_tracked) == 3
 
 
+def _forward_operators(plain: PlainCall) -> list[str]:
+    import onnx
+
+    return [node.op_type for node in onnx.load_from_string(plain.lowered.forward).graph.node]
+
+
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_float32_batch_norm_forward_is_ort_s_kernel_a_float64_one_the_passes(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """On the CPU a float32 BatchNorm's forward is ONNX Runtime's `BatchNormalization` in
+    training mode (its statistics made there, none by the graph's own passes); a float64
+    one keeps the passes, which add the epsilon in float64. Numbers: the training test
+    above, at every rank and both types."""
+    torch.manual_seed(0)
+    plain = PlainCall(_Normed(len(shape), dtype), torch.randn(shape, dtype=dtype))
+    operators = _forward_operators(plain)
+    if dtype == torch.float32:
+        assert operators.count("BatchNormalization") == 1
+        assert "ReduceMean" not in operators
+    else:
+        assert "BatchNormalization" not in operators
+        assert operators.count("ReduceMean") == 2
+
+
+def test_only_a_float32_cpu_batch_norm_takes_ort_s_kernel() -> None:
+    """CUDA's and ROCm's `BatchNormalization` refuse training mode at the opsets the
+    exporter writes; float64 keeps the passes."""
+    assert norms.one_kernel(torch.empty(2, 3))
+    assert not norms.one_kernel(torch.empty(2, 3, dtype=torch.float64))
+    assert not norms.one_kernel(torch.empty(2, 3, device="meta"))
+
+
 @pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
 def test_an_eval_mode_batch_norm_keeps_torchs_decomposition() -> None:
     """Eval mode normalises with the running statistics: torch's decomposition, no operator

@@ -15,8 +15,9 @@ The arithmetic is the decompositions': BatchNorm's forward in six passes over th
 (mean, centre, square, mean, one scale and one shift per channel: `decomposed_batch_norm`),
 the backwards torch's `native_batch_norm_backward` (train mode) and
 `native_layer_norm_backward`. A float32 BatchNorm on the CPU translates its forward to ONNX
-Runtime's own kernel instead (`one_kernel`), which makes the same statistics in three passes. The operators' eager kernels compute the same in torch, so a
-translation can be held to them (tests) and a graph run in torch runs them. The
+Runtime's own kernel instead (`one_kernel`), which makes the same statistics in three
+passes. The operators' eager kernels compute the same in torch, so a translation can be held
+to them (tests) and a graph run in torch runs them. The
 decompositions decide where the operators apply: float32 or float64, weight and bias given,
 static sizes (the running variance's correction and 1 / N are constants); elsewhere the
 decompositions as before.

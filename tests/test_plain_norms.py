@@ -149,6 +149,22 @@ def test_a_float32_batch_norm_forward_is_ort_s_kernel_a_float64_one_the_passes(
         assert operators.count("ReduceMean") == 2
 
 
+@pytest.mark.skipif(not PLAIN_READY, reason=SKIP_REASON)
+def test_a_batch_whose_variance_overflows_leaves_the_next_calls_alone() -> None:
+    """ORT's kernel writes its statistics over its running-statistics inputs: a batch whose
+    variance is infinite must not reach the next call through them (zeros fed as constants
+    held it: 0 * inf made the next batch's statistics NaN). The running variance itself goes
+    to infinity, as eager's does."""
+    torch.manual_seed(0)
+    model = _Normed(4, torch.float32)
+    eager = copy.deepcopy(model)
+    shape = (2, 4, 5, 3)
+    plain = PlainCall(model, torch.randn(shape, requires_grad=True))
+    draws = iter([torch.randn(shape) * 1e20, torch.randn(shape), torch.randn(shape)])
+    steps_like_eager(model, eager, plain, lambda: next(draws))
+    assert torch.isinf(model.norm.running_var).all()
+
+
 def test_only_a_float32_cpu_batch_norm_takes_ort_s_kernel() -> None:
     """CUDA's and ROCm's `BatchNormalization` refuse training mode at the opsets the
     exporter writes; float64 keeps the passes."""

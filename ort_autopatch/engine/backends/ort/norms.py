@@ -169,12 +169,12 @@ def one_kernel(input: torch.Tensor) -> bool:
     (`BatchNormalization`, `training_mode` 1) instead of six passes over the input: a float32
     input on the CPU.
 
-    With momentum 0 and zero running statistics in, that kernel's running statistics out are
-    the batch's mean and biased variance, so one node gives the output and the statistics the
-    saved values and the running update are made of. It makes three passes where the
-    translation's nodes make six: ResNet-50's BatchNorms, one each of its nine input shapes
-    at batch 2, 4.8 -> 3.2 ms (two threads). CUDA's and ROCm's kernels refuse training mode
-    at opset 14 and later, and its epsilon is an attribute, a float32: a float64 BatchNorm
+    With momentum 0 and zero running statistics in (`_fresh_zeros`), that kernel's running
+    statistics out are the batch's mean and biased variance, so one node gives the output and
+    the statistics the saved values and the running update are made of. It makes three passes
+    where the translation's nodes make six: ResNet-50's BatchNorms, one each of its nine input
+    shapes at batch 2, 4.8 -> 3.2 ms (two threads). CUDA's and ROCm's kernels refuse training
+    mode at opset 14 and later, and its epsilon is an attribute, a float32: a float64 BatchNorm
     keeps the passes, which add the epsilon in float64 as ATen does."""
     return input.device.type == "cpu" and input.dtype == torch.float32
 
@@ -426,11 +426,15 @@ def lower_batch_norm_training(
     d = Declared(input)
     full, channel, _ = _per_channel(d)
     if one_kernel:  # ORT's kernel: the output, the batch's mean and biased variance
-        import numpy as np
-
-        zeros = d.array(np.zeros(d.sizes[1]))
         normalised, mean, variance = op.BatchNormalization(
-            input, weight, bias, zeros, zeros, epsilon=eps, momentum=0.0, training_mode=1
+            input,
+            weight,
+            bias,
+            _fresh_zeros(weight, d),
+            _fresh_zeros(bias, d),
+            epsilon=eps,
+            momentum=0.0,
+            training_mode=1,
         )
         output, save_mean, variance_flat = full(normalised), channel(mean), channel(variance)
         add_eps = channel(op.Add(variance_flat, d.scalar(eps)))
@@ -453,6 +457,22 @@ def lower_batch_norm_training(
         )
     )
     return output, save_mean, save_rstd, new_mean, new_var
+
+
+def _fresh_zeros(like: Any, d: Declared) -> Any:
+    """Zeros of `like`'s shape made by this run (`like < like` is false for every value, a NaN
+    or an infinity too). ORT's kernel writes its statistics over its running-statistics
+    inputs (the kernel aliases outputs 1 and 2 to inputs 3 and 4): fed one constant for both,
+    the variance overwrote the mean, and a constant would carry one run's statistics into
+    the next. Each zeros here is its own tensor of this run, made from a different input so
+    that no common-subexpression pass merges the two."""
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    _, channel, _ = _per_channel(d)
+    never = op.Less(like, like)
+    never.dtype = ir.DataType.BOOL
+    return channel(op.Cast(channel(never), to=d.dtype))
 
 
 def _six_passes(input: Any, weight: Any, bias: Any, eps: float, d: Declared) -> Any:

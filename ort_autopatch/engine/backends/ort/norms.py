@@ -470,7 +470,7 @@ def _fresh_zeros(like: Any, d: Declared) -> Any:
     from onnxscript import opset18 as op
 
     _, channel, _ = _per_channel(d)
-    never = op.Less(like, like)
+    never: Any = op.Less(like, like)
     never.dtype = ir.DataType.BOOL
     return channel(op.Cast(channel(never), to=d.dtype))
 

@@ -34,6 +34,11 @@ def _ratio(run: dict[str, Any] | None, name: str) -> str:
     return "" if v is None else f"{v['ratio_over_eager']:.2f}"
 
 
+def _step(run: dict[str, Any] | None, name: str) -> str:
+    v = _variant(run, name)
+    return "" if v is None else f"{v['step_ms'] / 1e3:.2f}"
+
+
 def _fresh(run: dict[str, Any] | None, name: str, key: str, fmt: str) -> str:
     v = _variant(run, name)
     value = None if v is None else (v.get("fresh_process") or {}).get(key)
@@ -90,7 +95,8 @@ def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
     """One row per model and (batch, threads): step ratios, first calls, step peak RSS,
     achieved GFLOP/s and the losses' largest difference from eager's."""
     lines = [
-        "| model | batch, threads | eager step | `ort-training` / eager | `ort` / eager "
+        "| model | batch, threads | eager step `ort-training` / `ort` run "
+        "| `ort-training` / eager | `ort` / eager "
         "| torch.compile / eager | first call `ort-training` / `ort` / compile "
         "| step peak RSS eager / `ort-training` / `ort` | GFLOP/s (of matmul) eager / "
         "`ort-training` / `ort` | loss diff (eager's own) |",
@@ -105,11 +111,10 @@ def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
         description = (ours or theirs)["description"]
         for key in keys:
             t, p = ours.get("runs", {}).get(key), theirs.get("runs", {}).get(key)
-            eager = _variant(t or p, "eager")
             cells = [
                 description,
                 key,
-                "" if eager is None else f"{eager['step_ms'] / 1e3:.2f} s",
+                _join(_step(t, "eager"), _step(p, "eager")) + " s",
                 _ratio(t, "tool"),
                 _ratio(p, "tool"),
                 _join(_ratio(t, "compile"), _ratio(p, "compile")),
@@ -135,7 +140,11 @@ def table(training: dict[str, Any], plain: dict[str, Any]) -> str:
         "",
         "Step: forward, loss, backward and AdamW, the median of the timed steps, each variant's "
         "steps interleaved with the others' in one process (torch.compile's ratio from each "
-        "backend's run); first call and peak RSS from a fresh process per variant; GFLOP/s: "
+        "backend's run). The backends' runs are separate processes at separate times, each "
+        "ratio over its own run's eager step (on these VMs eager's own step moved by up to a "
+        "quarter between two runs minutes apart): compare the backends' ratios where their "
+        "eager steps agree; "
+        "first call and peak RSS from a fresh process per variant; GFLOP/s: "
         "6 x parameters x tokens (transformers), 3 x the forward's FLOPs (ResNet); loss diff: "
         "the tool's largest difference from eager's loss over every step of both runs (eager's "
         "own: its losses from parameters nudged by one float32 rounding step). "

@@ -88,16 +88,55 @@ def test_losses_agree_to_4_decimals_or_within_eagers_own_movement() -> None:
     assert not bench_scale.losses_agree([4e-6, 1e-3], [1e-6, 1e-4])
 
 
-def test_render_states_a_skipped_model() -> None:
-    env = {
-        "date": "d",
-        "backend": "ort",
-        "onnxruntime": "1",
-        "torch": "2",
-        "steps": 3,
-        "tiny": False,
-        "load_average": [1.0],
+_ENV = {
+    "date": "d",
+    "backend": "ort",
+    "onnxruntime": "1",
+    "torch": "2",
+    "steps": 3,
+    "tiny": False,
+    "load_average": [1.0],
+}
+
+
+def _rendered_run(eager_ms: float, tool_ms: float) -> dict[str, Any]:
+    def variant(ms: float) -> dict[str, Any]:
+        return {
+            "step_ms": ms,
+            "ratio_over_eager": ms / eager_ms,
+            "gflops": 1.0,
+            "fraction_of_matmul": 0.5,
+            "loss_max_abs_diff": 0.0,
+        }
+
+    return {
+        "environment": _ENV,
+        "matmul": {"2": {"gflops": 2.0}},
+        "models": {
+            "bert": {
+                "description": "BERT-base MLM",
+                "runs": {
+                    "batch 2, 2 threads": {
+                        "variants": {"eager": variant(eager_ms), "tool": variant(tool_ms)},
+                        "eager_nudged_loss_max_abs_diff": 0.0,
+                    }
+                },
+            }
+        },
     }
+
+
+def test_render_gives_each_backend_run_its_own_eager_step() -> None:
+    """The backends run in separate processes, minutes apart: each ratio is over its own
+    run's eager step, and the table shows both steps, so that a ratio flattered by a slow
+    eager (1.37 against 1.09 s on one VM) can be seen."""
+    block = render_scale.table(_rendered_run(1370.0, 1384.0), _rendered_run(1090.0, 1308.0))
+    row = next(line for line in block.splitlines() if line.startswith("| BERT-base MLM"))
+    assert "| 1.37 / 1.09 s | 1.01 | 1.20 |" in row
+
+
+def test_render_states_a_skipped_model() -> None:
+    env = _ENV
     skipped = {
         "description": "ResNet-50, 224x224",
         "runs": {},

@@ -246,6 +246,7 @@ TORCH_215_TESTS = (
     "tests/test_plain_linears.py",
     "tests/test_plain_matmuls.py",
     "tests/test_plain_activations.py",
+    "tests/test_plain_losses.py",
     "tests/test_plain_backend.py",
     "tests/test_plain_eager_child.py",
     "tests/test_plain_offload.py",

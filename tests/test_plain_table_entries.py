@@ -307,7 +307,7 @@ CASES: list[Case] = [
         lambda: nn.Embedding(10, 4, scale_grad_by_freq=True),
         ids(5, -3, 4),
     ),
-    # -- losses (backwards torch's) --------------------------------------------------------
+    # -- losses (backwards ours over a batch of rows, `losses`; torch's elsewhere) -------
     Case(
         "nll_loss",
         fn(lambda x, t: F.nll_loss(F.log_softmax(x, 1), t)),
@@ -327,6 +327,21 @@ CASES: list[Case] = [
         "nll_loss-weighted-none",
         fn(lambda x, t: F.nll_loss(x, t, torch.linspace(0.5, 2, 4), reduction="none")),
         with_target(rand(-6, 4), 4, lambda x: [x.shape[0]]),
+    ),
+    Case(
+        "cross_entropy-ignore-index",
+        fn(lambda x, t: F.cross_entropy(x, t, ignore_index=2)),
+        with_target(rand(-6, 5), 5, lambda x: [x.shape[0]]),
+    ),
+    Case(
+        "cross_entropy-weighted-sum",
+        fn(lambda x, t: F.cross_entropy(x, t, torch.linspace(0.5, 2, 5), reduction="sum")),
+        with_target(rand(-6, 5), 5, lambda x: [x.shape[0]]),
+    ),
+    Case(
+        "cross_entropy-label-smoothing",
+        fn(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1)),
+        with_target(rand(-6, 5), 5, lambda x: [x.shape[0]]),
     ),
     Case(
         "nll_loss-3d",

@@ -32,6 +32,11 @@ operator torchlib lacks gets torch's decomposition); on top of it, declared here
 - `threshold_backward` (ReLU's) and `leaky_relu_backward`: a product with the mask instead of
   ORT's slow `Where` (ten times a Greater, a Cast and a Mul on a CNN's activations), one
   operator of ours each where its values can be declared (`activations`).
+- `nll_loss_backward` over a batch of rows and `_log_softmax_backward_data`: one operator of
+  ours each (`losses`), made one where the first feeds the second
+  (`fx_passes.cross_entropy_backward_fused`): a cross entropy's gradient in two passes over
+  (tokens, vocabulary) and a scatter of one value a row, where torch's decompositions made
+  eight passes; torch's decompositions elsewhere.
 - `_safe_softmax` (attention's math kernel: with dropout, or a mask the flash kernel does not
   take): its rows of -inf found by one ReduceMax rather than a comparison cast to int64 and
   a ReduceMin.
@@ -98,6 +103,7 @@ from ort_autopatch.engine.backends.ort import (
     activations,
     convolutions,
     linears,
+    losses,
     matmuls,
     norms,
     windows,
@@ -112,9 +118,7 @@ TORCH_DECOMPOSED = (
     aten.embedding_dense_backward.default,
     aten.native_group_norm_backward.default,
     aten.native_dropout_backward.default,
-    aten.nll_loss_backward.default,
     aten.nll_loss2d_backward.default,
-    aten._log_softmax_backward_data.default,
     aten._softmax_backward_data.default,
     aten.mse_loss_backward.default,
     aten.binary_cross_entropy_backward.default,
@@ -408,6 +412,8 @@ OURS: dict[Any, Callable[..., Any]] = {
     aten.max_pool2d_with_indices.default: windows.max_pool2d_with_indices,
     aten.max_pool2d_with_indices_backward.default: windows.max_pool2d_with_indices_backward,
     aten.threshold_backward.default: activations.threshold_backward,
+    aten.nll_loss_backward.default: losses.nll_loss_backward,
+    aten._log_softmax_backward_data.default: losses.log_softmax_backward,
     aten._safe_softmax.default: safe_softmax,
     aten.leaky_relu_backward.default: activations.leaky_relu_backward,
     aten.select_backward.default: select_backward,

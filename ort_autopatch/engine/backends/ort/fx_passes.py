@@ -3,12 +3,13 @@
 One job: turn the forward and backward graphs aot_autograd's partitioner made into graphs that
 ONNX Runtime runs, and runs fast, with the same numbers: constants made real, int32 indices
 widened, reductions without a reshape behind them, saved parameters handed over instead of
-copied, saved views made again in backward, an activation its gradient alone reads saved as
-its mask, a gradient's masks multiplied once, values scattered into zeros and added to a sum
-scattered into the sum. They run after the trace, in the order `passes` declares (after the
-linking of the graphs' inputs and outputs, `linking`), on graphs nothing else holds yet;
-each is tested on its own graphs (tests/test_plain_backend.py, and the activations' in
-tests/test_plain_activations.py).
+copied, saved views made again in backward, an activation its gradient alone reads saved as its
+mask, a gradient's masks multiplied once, values scattered into zeros and added to a sum
+scattered into the sum, a cross entropy's two gradients made one. They run after the trace, in
+the order `passes` declares (after the linking of the graphs' inputs and outputs, `linking`),
+on graphs nothing else holds yet; each is tested on its own graphs
+(tests/test_plain_backend.py, and the activations' in tests/test_plain_activations.py, the
+cross entropy's in tests/test_plain_losses.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ort_autopatch.engine.backends.ort import activations
+from ort_autopatch.engine.backends.ort import activations, losses
 from ort_autopatch.engine.backends.ort.linking import refuse
 from ort_autopatch.engine.errors import UnsupportedModelError
 
@@ -663,6 +664,28 @@ def scatters_added_into_the_sum(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(zeros)
             changed = True
             break
+    if changed:
+        gm.recompile()
+
+
+def cross_entropy_backward_fused(gm: torch.fx.GraphModule) -> None:
+    """`log_softmax_backward(nll_loss_backward(g, lp, ...), lp, 1)`, where nothing else reads
+    the loss's gradient, is `cross_entropy_backward(g, lp, ...)` (`losses`): a language
+    model's loss gradient in two passes over (tokens, vocabulary) rather than eight."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not losses.LOG_SOFTMAX_BACKWARD:
+            continue
+        grad, output, dim = node.args
+        if not isinstance(grad, torch.fx.Node) or grad.op != "call_function":
+            continue
+        if grad.target is not losses.NLL_LOSS_BACKWARD or len(grad.users) != 1:
+            continue
+        if grad.args[1] is not output or dim != 1:
+            continue
+        node.target, node.args = losses.CROSS_ENTROPY_BACKWARD, grad.args
+        gm.graph.erase_node(grad)
+        changed = True
     if changed:
         gm.recompile()
 

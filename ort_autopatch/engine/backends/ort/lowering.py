@@ -191,6 +191,7 @@ def our_translations() -> dict[Any, Any]:
         activations,
         convolutions,
         linears,
+        losses,
         matmuls,
         norms,
         recurrent,
@@ -200,6 +201,7 @@ def our_translations() -> dict[Any, Any]:
     return {
         **activations.TRANSLATIONS,
         **linears.TRANSLATIONS,
+        **losses.TRANSLATIONS,
         **matmuls.TRANSLATIONS,
         **recurrent.TRANSLATIONS,
         **windows.TRANSLATIONS,

@@ -140,6 +140,7 @@ PARTITIONED: tuple[Pass[PartitionedGraphs], ...] = (
     Pass("transposes_composed", _each(fx_passes.transposes_composed)),
     Pass("tied_gradients_summed", _tied_gradients_summed, lambda g: bool(g.captured.tied)),
     Pass("scatters_added_into_the_sum", _each(fx_passes.scatters_added_into_the_sum)),
+    Pass("cross_entropy_backward_fused", _each(fx_passes.cross_entropy_backward_fused)),
     Pass("int64_indices", _each(fx_passes.int64_indices)),
     Pass("expand_numel", _each(symbolic.expand_numel), lambda g: g.symbolic),
 )

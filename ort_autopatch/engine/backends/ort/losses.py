@@ -57,17 +57,13 @@ def nll_loss_backward_operator(
     )
 
 
-@nll_loss_backward_operator.register_fake
-def _(
-    grad_output: torch.Tensor,
-    log_probs: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    reduction: int,
-    ignore_index: int,
-    total_weight: torch.Tensor,
-) -> torch.Tensor:
+def _like_log_probs(grad_output: torch.Tensor, log_probs: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """The fake kernel of both gradients of the log-probabilities (`nll_loss_backward`,
+    `cross_entropy_backward`): a tensor like them."""
     return log_probs.new_empty(log_probs.shape)
+
+
+nll_loss_backward_operator.register_fake(_like_log_probs)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::log_softmax_backward", mutates_args=())
@@ -101,17 +97,7 @@ def cross_entropy_backward(
     return aten._log_softmax_backward_data(grad, log_probs, 1, log_probs.dtype)
 
 
-@cross_entropy_backward.register_fake
-def _(
-    grad_output: torch.Tensor,
-    log_probs: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    reduction: int,
-    ignore_index: int,
-    total_weight: torch.Tensor,
-) -> torch.Tensor:
-    return log_probs.new_empty(log_probs.shape)
+cross_entropy_backward.register_fake(_like_log_probs)
 
 
 NLL_LOSS_BACKWARD = torch.ops.ort_autopatch.nll_loss_backward.default

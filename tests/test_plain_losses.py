@@ -204,3 +204,20 @@ def test_the_operators_apply_to_a_batch_of_rows_of_one_float_type() -> None:
     assert not losses.applies_nll(scalar, rows.half(), target, None, losses.MEAN, scalar.half())
     assert not losses.applies_nll(scalar, rows, target.int(), None, losses.MEAN, scalar)
     assert not losses.applies_nll(scalar, rows, target, torch.ones(3).double(), 1, scalar)
+
+
+def test_a_symbolic_batch_keeps_torchs_decomposition_and_guards_nothing() -> None:
+    """A batch of symbolic size is torch's decomposition's (the translations declare static
+    sizes), decided before any size is compared: a comparison of a symbol would add a guard,
+    and a guard would tie the graph to the sizes it was traced at."""
+    from ort_autopatch.engine.backends.ort import symbolic
+
+    rows, target = torch.randn(4, 3), torch.tensor([0, 2, 1, 0])
+    env, (fake_rows, fake_target) = symbolic.fake_inputs([rows, target], [{0}, {0}])
+    scalar = torch.tensor(1.0)
+    with fake_rows.fake_mode:
+        fake_scalar = fake_rows.fake_mode.from_tensor(scalar)
+        assert not losses.applies_nll(
+            fake_scalar, fake_rows, fake_target, None, losses.MEAN, fake_scalar
+        )
+    assert not env.guards

@@ -5,11 +5,11 @@ and the two as one where the first feeds the second (`cross_entropy_backward`, m
 
 A language model's loss is a cross entropy over its vocabulary, whose gradient is the largest
 elementwise work of its step: (tokens, vocabulary) floats, 125 MB for BERT-base at batch 8.
-torch's decompositions made it eight passes over that tensor: zeros (an `Expand`, which ORT ran
-at a third of memory speed), the one-hot scattered into them, a product with each row's
-weight, the row sums of that, the log-probabilities' exponent, its product with the sums, the
-difference, all beside the decoder's own gradient (BERT-base MLM at batch 8, two threads:
-about 170 ms of a 4.4 s step, eager's fused kernels about a fifth of that). The gradient is
+torch's decompositions made it eight passes over that tensor: zeros (an `Expand`), the one-hot
+scattered into them, a product with each row's weight, the row sums of that, the
+log-probabilities' exponent, its product with the sums, the difference, all beside the
+decoder's own gradient (BERT-base MLM at batch 8, two threads: about 157 ms of a 4.4 s step in
+ORT's profile). The gradient is
 `a_i * (onehot_i - exp(log_probs_i))` with one number per row, `a_i = -weight[target_i] *
 grad / total_weight` (0 where the target is ignored), so the fused operator's translation
 makes the exponent, multiplies it by `-a_i` and adds `a_i` at each row's target: two passes
@@ -116,15 +116,17 @@ def applies_nll(
     """Whether the operator takes this `nll_loss_backward`: a batch of rows (N, C), int64
     targets (N,), a gradient of the reduction's shape, all floats of one type and static
     sizes."""
-    if log_probs.dim() != 2 or target.dtype != torch.int64 or target.shape != log_probs.shape[:1]:
+    if log_probs.dim() != 2 or target.dtype != torch.int64 or target.dim() != 1:
+        return False
+    if not declarable(log_probs, grad_output, weight, total_weight):
+        return False  # (sizes compared below only once known static: no guard on a symbol)
+    if type(target.shape[0]) is not int or target.shape != log_probs.shape[:1]:
         return False
     if reduction not in (NONE, MEAN, SUM) or total_weight.dim() != 0:
         return False
     if grad_output.shape != (log_probs.shape[:1] if reduction == NONE else ()):
         return False
-    if weight is not None and weight.shape != log_probs.shape[1:]:
-        return False
-    return declarable(log_probs, grad_output, weight, total_weight)
+    return weight is None or weight.shape == log_probs.shape[1:]
 
 
 def nll_loss_backward(
@@ -162,14 +164,6 @@ def _torchs(op: Any) -> Callable[..., Any]:
 # --- translations -----------------------------------------------------------------------------
 
 
-def _typed(value: Any, dtype: Any, sizes: list[int]) -> Any:
-    """`value` declared of an ONNX `dtype` and `sizes` (the targets' and the masks' values)."""
-    from onnxscript import ir
-
-    value.dtype, value.shape = dtype, ir.Shape(sizes)
-    return value
-
-
 def _row_values(
     grad_output: Any,
     target: Any,
@@ -188,11 +182,13 @@ def _row_values(
 
     rows = d.sizes[0]
     row, column = d.shaped([rows]), d.shaped([rows, 1])
-    ignored = _typed(
-        op.Equal(target, op.Constant(value_int=ignore_index)), ir.DataType.BOOL, [rows]
-    )
-    kept = _typed(op.Not(ignored), ir.DataType.BOOL, [rows])
-    safe = _typed(op.Where(kept, target, op.Constant(value_int=0)), ir.DataType.INT64, [rows])
+    targets = Declared(target)  # int64 (N,)
+    ignored: Any = op.Equal(target, op.Constant(value_int=ignore_index))
+    ignored.dtype = ir.DataType.BOOL
+    kept: Any = op.Not(targets.shaped([rows])(ignored))
+    kept.dtype = ir.DataType.BOOL
+    kept = targets.shaped([rows])(kept)
+    safe = targets.shaped([rows])(op.Where(kept, target, op.Constant(value_int=0)))
     scaled = grad_output
     if reduction == MEAN:
         scaled = d.shaped([])(op.Div(grad_output, total_weight))
@@ -201,7 +197,7 @@ def _row_values(
         negated = row(op.Mul(row(op.Gather(weight, safe, axis=0)), negated))
     value = row(op.Where(kept, negated, d.scalar(0.0)))  # (a scalar broadcast to the rows)
     axis: Any = op.Constant(value_ints=[1])
-    index = _typed(op.Unsqueeze(safe, axis), ir.DataType.INT64, [rows, 1])
+    index = targets.shaped([rows, 1])(op.Unsqueeze(safe, axis))
     return index, column(op.Unsqueeze(value, axis))
 
 
